@@ -1,0 +1,17 @@
+//! Compiles our trimmed Envoy protos with a vendored protoc, so a build needs nothing but Rust.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    let well_known = protoc_bin_vendored::include_path()?;
+    // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    println!("cargo:rerun-if-changed=proto");
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_protos(
+            &[std::path::PathBuf::from("proto/envoy/service/ratelimit/v3/rls.proto")],
+            &[std::path::PathBuf::from("proto"), well_known],
+        )?;
+    Ok(())
+}

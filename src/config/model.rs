@@ -1,0 +1,106 @@
+//! The validated configuration: what a request is matched against. Built only by the loader.
+
+use std::collections::HashMap;
+
+use crate::limit::Limit;
+
+/// Every domain rlsd knows, by name. Immutable once loaded; a reload builds a new one.
+#[derive(Debug, Default)]
+pub struct Config {
+    /// Domains by name.
+    pub domains: HashMap<String, Domain>,
+}
+
+/// One `domain:` file: the descriptor tree requests of that domain are matched against.
+#[derive(Debug)]
+pub struct Domain {
+    /// The domain name (non-empty).
+    pub name: String,
+    /// The file it came from, for `rlsd check` and diagnostics.
+    pub source: String,
+    /// Top-level descriptors.
+    pub root: Level,
+}
+
+/// The descriptors at one depth of the tree, indexed for matching.
+#[derive(Debug, Default)]
+pub struct Level {
+    /// Children keyed by descriptor `key`.
+    pub keys: HashMap<String, KeyNodes>,
+}
+
+/// The descriptors that share one `key` at one level, in matching priority.
+#[derive(Debug, Default)]
+pub struct KeyNodes {
+    /// `value:` given exactly.
+    pub exact: HashMap<String, Node>,
+    /// `value:` containing `*`, in config order.
+    pub wildcards: Vec<(Wildcard, Node)>,
+    /// No `value:`: matches any value.
+    pub default: Option<Box<Node>>,
+}
+
+/// A value pattern with `*` wildcards anywhere (`foo*`, `bar*b`, `foo*bar*baz`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wildcard {
+    /// The pattern as written.
+    pub pattern: String,
+    /// The literal pieces between `*`s; first anchors the start, last the end.
+    parts: Vec<String>,
+}
+
+impl Wildcard {
+    /// Compiles a pattern; `None` if it has no `*` (then it is an exact value).
+    pub fn new(pattern: &str) -> Option<Wildcard> {
+        pattern.contains('*').then(|| Wildcard {
+            pattern: pattern.to_owned(),
+            parts: pattern.split('*').map(str::to_owned).collect(),
+        })
+    }
+
+    /// Whether `value` matches the whole pattern.
+    pub fn matches(&self, value: &str) -> bool {
+        let (first, rest) = match self.parts.split_first() {
+            Some(split) => split,
+            None => return true,
+        };
+        let Some(mut tail) = value.strip_prefix(first.as_str()) else {
+            return false;
+        };
+        let Some((last, middle)) = rest.split_last() else {
+            return tail.is_empty();
+        };
+        for part in middle {
+            match tail.find(part.as_str()) {
+                Some(at) => tail = &tail[at + part.len()..],
+                None => return false,
+            }
+        }
+        tail.len() >= last.len() && tail.ends_with(last.as_str())
+    }
+}
+
+/// One descriptor of the config tree.
+#[derive(Debug, Default)]
+pub struct Node {
+    /// `domain.key_value.key2` path, for metrics, diagnostics and duplicate detection.
+    pub path: String,
+    /// What applies when a request's last entry lands here; `None` is a whitelist node.
+    pub policy: Option<Policy>,
+    /// `detailed_metric: true`: metrics carry the request's values.
+    pub detailed_metric: bool,
+    /// Nested descriptors.
+    pub children: Level,
+}
+
+/// What a node enforces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Policy {
+    /// `unlimited: true`: always OK, never touches the store.
+    Unlimited {
+        /// The limit's `name`, if any (a target of `replaces` like any other).
+        name: Option<String>,
+    },
+    /// One or more limits (`rate_limit`, or the `rate_limits` list); all must pass.
+    Limits(Vec<Limit>),
+}

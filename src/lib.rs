@@ -1,0 +1,15 @@
+//! rlsd: a rate limit service for Envoy (`envoy.service.ratelimit.v3.RateLimitService`).
+//!
+//! # Layout
+//! - [`pb`]: generated Envoy wire types; only [`service`] uses them.
+//! - [`config`]: YAML loading and validation into an immutable [`config::Config`].
+//! - [`limit`]: units, periods, algorithms and limits, shared by every module.
+//! - [`engine`]: matching a request's descriptors against the config and planning store checks.
+//! - [`algorithm`]: the pure arithmetic of each algorithm.
+//! - [`store`]: where counters live; decides all checks of a request atomically.
+//! - [`service`]: the tonic service; wire types in, wire types out.
+//! - [`server`]: listeners, signals and shutdown.
+
+pub mod config;
+pub mod limit;
+pub mod pb;

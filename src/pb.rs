@@ -1,0 +1,43 @@
+//! Generated Envoy wire types. Only `service` (and tests) should touch these.
+#![allow(missing_docs, clippy::all, clippy::pedantic)]
+
+/// The `envoy.*` packages, nested as protobuf nests them so generated `super::` paths resolve.
+pub mod envoy {
+    pub mod config {
+        pub mod core {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.core.v3");
+            }
+        }
+    }
+    pub mod extensions {
+        pub mod common {
+            pub mod ratelimit {
+                pub mod v3 {
+                    tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                }
+            }
+        }
+    }
+    pub mod r#type {
+        pub mod v3 {
+            tonic::include_proto!("envoy.r#type.v3");
+        }
+    }
+    pub mod service {
+        pub mod ratelimit {
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.ratelimit.v3");
+            }
+        }
+    }
+}
+
+pub use envoy::config::core::v3::HeaderValue;
+pub use envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};
+pub use envoy::r#type::v3::RateLimitUnit;
+pub use envoy::service::ratelimit::v3::{
+    RateLimitRequest, RateLimitResponse, rate_limit_response,
+    rate_limit_service_client::RateLimitServiceClient,
+    rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
+};
