@@ -13,3 +13,4 @@
 pub mod config;
 pub mod limit;
 pub mod pb;
+pub mod algorithm;

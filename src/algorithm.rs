@@ -1,0 +1,569 @@
+//! The arithmetic of each algorithm, as pure functions of `(state, now, params, hits)`.
+//!
+//! Exactly `../shared/ALGORITHMS.md`. Every store runs these (the Lua scripts mirror them), so the
+//! float operations are written in the order the scripts use, to give bit-identical answers.
+
+use std::collections::VecDeque;
+
+use crate::limit::{Algorithm, Limit, MICROS_PER_SECOND};
+
+/// Extra life a key gets past the moment its state stops mattering.
+const EXPIRY_SLACK_US: u64 = MICROS_PER_SECOND;
+
+/// The numbers one check is decided with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Which algorithm.
+    pub algorithm: Algorithm,
+    /// L: requests per period.
+    pub limit: u64,
+    /// P in microseconds (never 0).
+    pub period_us: u64,
+    /// B: token bucket capacity or GCRA burst; equal to L for the window algorithms.
+    pub burst: u64,
+}
+
+impl Params {
+    /// The parameters of a configured limit.
+    pub fn of(limit: &Limit) -> Params {
+        Params {
+            algorithm: limit.algorithm,
+            limit: u64::from(limit.requests_per_unit),
+            period_us: limit.period.micros().max(1),
+            burst: u64::from(limit.effective_burst()),
+        }
+    }
+
+    /// The most one request can ever take: L for windows, B for token bucket and GCRA.
+    pub fn capacity(&self) -> u64 {
+        if self.algorithm.takes_burst() {
+            self.burst
+        } else {
+            self.limit
+        }
+    }
+
+    /// GCRA emission interval T = P / L in whole microseconds (at least 1).
+    fn emission_interval(&self) -> u64 {
+        (self.period_us / self.limit.max(1)).max(1)
+    }
+}
+
+/// How many hits a check asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hits {
+    /// Take `n` hits (n >= 1).
+    Take(u64),
+    /// A pure check (`hits_addend: 0`): decided as one hit, nothing committed.
+    Peek,
+    /// `is_negative_hits`: give `n` hits back, never beyond a fresh state.
+    Refund(u64),
+}
+
+/// Stored state of one key.
+#[derive(Clone, Debug, PartialEq)]
+pub enum State {
+    /// Fixed window: hits counted in `window` (= floor(now / P)).
+    Window {
+        /// Window index.
+        window: u64,
+        /// Hits counted.
+        count: u64,
+    },
+    /// Sliding window log: allowed hits as `(timestamp, how many)`, oldest first.
+    Log {
+        /// Timestamps in ascending order, each with the hits taken at that instant.
+        entries: VecDeque<(u64, u64)>,
+    },
+    /// Sliding window counter: the current window's and the previous window's counts.
+    Sliding {
+        /// Index of the current window.
+        window: u64,
+        /// Hits in `window`.
+        current: u64,
+        /// Hits in `window - 1`.
+        previous: u64,
+    },
+    /// Token bucket: tokens left at `updated`.
+    Bucket {
+        /// Tokens (fractional while refilling).
+        tokens: f64,
+        /// When `tokens` was computed (never moves back).
+        updated: u64,
+    },
+    /// GCRA: the theoretical arrival time.
+    Gcra {
+        /// TAT in microseconds.
+        tat: u64,
+    },
+}
+
+/// What one check answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether this limit lets the request through.
+    pub allowed: bool,
+    /// Single hits that would still pass right now, after this request.
+    pub remaining: u64,
+    /// Allowed: until the limit is fully available. Denied: until this request would pass.
+    /// Rounded up to a whole millisecond.
+    pub reset_us: u64,
+}
+
+/// A check's evaluation: the verdict, and what to store if the whole request is allowed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Assessment {
+    /// The answer if the request goes through.
+    pub verdict: Verdict,
+    /// `remaining` to report when another limit denies the request and nothing is consumed.
+    pub unconsumed_remaining: u64,
+    /// New state and its time to live; `None` when nothing changes.
+    pub update: Option<Update>,
+}
+
+/// State to store for a key, and how long it stays relevant.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Update {
+    /// The new state.
+    pub state: State,
+    /// Time to live from `now`, in microseconds.
+    pub ttl_us: u64,
+}
+
+/// Rounds a duration up to the next whole millisecond, as `duration_until_reset` reports it.
+pub fn round_up_to_ms(us: u64) -> u64 {
+    us.div_ceil(1_000) * 1_000
+}
+
+/// Decides one check against the key's current `state` (`None`: fresh or expired) at `now`.
+pub fn assess(params: &Params, state: Option<&State>, now: u64, hits: Hits) -> Assessment {
+    if params.limit == 0 {
+        // L = 0 denies everything and never touches the store.
+        let verdict = Verdict {
+            allowed: matches!(hits, Hits::Refund(_)),
+            remaining: 0,
+            reset_us: round_up_to_ms(params.period_us),
+        };
+        return Assessment {
+            verdict,
+            unconsumed_remaining: 0,
+            update: None,
+        };
+    }
+    match hits {
+        Hits::Take(n) if n > params.capacity() => impossible(params, state, now),
+        Hits::Take(n) => run(params, state, now, n, n),
+        Hits::Peek => run(params, state, now, 1, 0),
+        Hits::Refund(n) => refund(params, state, now, n),
+    }
+}
+
+/// A request larger than the capacity never passes. Its reset is one period: there is no time at
+/// which it would pass, and a period is when any state has certainly drained.
+fn impossible(params: &Params, state: Option<&State>, now: u64) -> Assessment {
+    let idle = run(params, state, now, 0, 0).verdict;
+    Assessment {
+        verdict: Verdict {
+            allowed: false,
+            remaining: idle.remaining,
+            reset_us: round_up_to_ms(params.period_us),
+        },
+        unconsumed_remaining: idle.remaining,
+        update: None,
+    }
+}
+
+/// Evaluates asking for `want` hits and, if allowed, taking `take` (`take <= want`).
+fn run(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Assessment {
+    let raw = match params.algorithm {
+        Algorithm::FixedWindow => fixed_window(params, state, now, want, take),
+        Algorithm::SlidingWindowLog => sliding_log(params, state, now, want, take),
+        Algorithm::SlidingWindowCounter => sliding_counter(params, state, now, want, take),
+        Algorithm::TokenBucket => token_bucket(params, state, now, want, take),
+        Algorithm::Gcra => gcra(params, state, now, want, take),
+    };
+    let allowed = raw.verdict.allowed;
+    Assessment {
+        verdict: Verdict {
+            reset_us: round_up_to_ms(raw.verdict.reset_us),
+            ..raw.verdict
+        },
+        unconsumed_remaining: if allowed {
+            raw.verdict.remaining + take
+        } else {
+            raw.verdict.remaining
+        },
+        // Nothing to store when denied or when nothing is taken (a peek).
+        update: raw.update.filter(|_| allowed && take > 0),
+    }
+}
+
+/// Gives `n` hits back; never beyond a fresh state.
+fn refund(params: &Params, state: Option<&State>, now: u64, n: u64) -> Assessment {
+    let before = run(params, state, now, 0, 0).verdict;
+    let refunded = state.and_then(|state| refunded_state(params, state, now, n));
+    let after = run(params, refunded.as_ref().map(|u| &u.state), now, 0, 0);
+    Assessment {
+        verdict: after.verdict,
+        unconsumed_remaining: before.remaining,
+        update: refunded,
+    }
+}
+
+fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Update> {
+    let p = params.period_us;
+    let update = match state {
+        State::Window { window, count } => {
+            let window = *window;
+            let end = (window + 1) * p;
+            Update {
+                state: State::Window {
+                    window,
+                    count: count.saturating_sub(n),
+                },
+                ttl_us: end.saturating_sub(now) + EXPIRY_SLACK_US,
+            }
+        }
+        State::Log { entries } => {
+            // The newest hits go back first.
+            let mut entries = entries.clone();
+            let mut left = n;
+            while left > 0 {
+                let Some(last) = entries.back_mut() else { break };
+                let give = last.1.min(left);
+                last.1 -= give;
+                left -= give;
+                if last.1 == 0 {
+                    entries.pop_back();
+                }
+            }
+            Update {
+                state: State::Log { entries },
+                ttl_us: p + EXPIRY_SLACK_US,
+            }
+        }
+        State::Sliding {
+            window,
+            current,
+            previous,
+        } => Update {
+            state: State::Sliding {
+                window: *window,
+                current: current.saturating_sub(n),
+                previous: *previous,
+            },
+            ttl_us: 2 * p + EXPIRY_SLACK_US,
+        },
+        State::Bucket { .. } => {
+            let (tokens, updated) = refilled_bucket(params, Some(state), now);
+            let burst = params.burst as f64;
+            let tokens = (tokens + n as f64).min(burst);
+            Update {
+                state: State::Bucket { tokens, updated },
+                ttl_us: bucket_ttl(params, tokens),
+            }
+        }
+        State::Gcra { tat } => {
+            let back = n.saturating_mul(params.emission_interval());
+            let tat = tat.saturating_sub(back).max(now);
+            Update {
+                state: State::Gcra { tat },
+                ttl_us: tat - now + EXPIRY_SLACK_US,
+            }
+        }
+    };
+    Some(update)
+}
+
+/// An assessment before rounding and before the denied/peek filter of [`run`].
+struct Raw {
+    verdict: Verdict,
+    update: Option<Update>,
+}
+
+fn fixed_window(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+    let (l, p) = (params.limit, params.period_us);
+    let mut window = now / p;
+    let mut count = 0;
+    if let Some(State::Window {
+        window: stored,
+        count: stored_count,
+    }) = state
+    {
+        // A clock that stepped back keeps using the newer window it already counted in.
+        if *stored >= window {
+            window = *stored;
+            count = *stored_count;
+        }
+    }
+    let reset = ((window + 1) * p).saturating_sub(now);
+    if count + want <= l {
+        let count = count + take;
+        Raw {
+            verdict: Verdict {
+                allowed: true,
+                remaining: l - count,
+                reset_us: reset,
+            },
+            update: Some(Update {
+                state: State::Window { window, count },
+                ttl_us: reset + EXPIRY_SLACK_US,
+            }),
+        }
+    } else {
+        Raw {
+            verdict: Verdict {
+                allowed: false,
+                remaining: l.saturating_sub(count),
+                reset_us: reset,
+            },
+            update: None,
+        }
+    }
+}
+
+fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+    let (l, p) = (params.limit, params.period_us);
+    let empty = VecDeque::new();
+    let entries = match state {
+        Some(State::Log { entries }) => entries,
+        _ => &empty,
+    };
+    // Members with ts <= now - P have left the window.
+    let horizon = now.saturating_sub(p);
+    let live = || {
+        entries
+            .iter()
+            .filter(move |(ts, _)| now < p || *ts > horizon)
+    };
+    let n: u64 = live().map(|(_, count)| count).sum();
+    if n + want <= l {
+        let newest = entries.back().map(|(ts, _)| *ts);
+        let mut kept: VecDeque<(u64, u64)> = live().copied().collect();
+        // Timestamps never move back, so the log stays sorted when the clock does.
+        let at = newest.map_or(now, |ts| ts.max(now));
+        if take > 0 {
+            match kept.back_mut() {
+                Some(last) if last.0 == at => last.1 += take,
+                _ => kept.push_back((at, take)),
+            }
+        }
+        let reset = kept
+            .back()
+            .map_or(0, |(ts, _)| (ts + p).saturating_sub(now));
+        Raw {
+            verdict: Verdict {
+                allowed: true,
+                remaining: l - n - take,
+                reset_us: reset,
+            },
+            update: Some(Update {
+                state: State::Log { entries: kept },
+                ttl_us: p + EXPIRY_SLACK_US,
+            }),
+        }
+    } else {
+        // The request passes once the (n + want - L)-th oldest member leaves the window.
+        let mut needed = n + want - l;
+        let mut reset = 0;
+        for (ts, count) in live() {
+            reset = (ts + p).saturating_sub(now);
+            if *count >= needed {
+                break;
+            }
+            needed -= count;
+        }
+        Raw {
+            verdict: Verdict {
+                allowed: false,
+                remaining: l.saturating_sub(n),
+                reset_us: reset,
+            },
+            update: None,
+        }
+    }
+}
+
+fn sliding_counter(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+    let (l, p) = (params.limit, params.period_us);
+    let mut now = now;
+    let mut window = now / p;
+    let (mut current, mut previous) = (0, 0);
+    if let Some(State::Sliding {
+        window: stored,
+        current: stored_current,
+        previous: stored_previous,
+    }) = state
+    {
+        if *stored >= window {
+            // Clock stepped back: stay at the start of the newer window (full previous weight).
+            now = now.max(stored * p);
+            window = *stored;
+            current = *stored_current;
+            previous = *stored_previous;
+        } else if *stored + 1 == window {
+            previous = *stored_current;
+        }
+    }
+    let elapsed = now - window * p;
+    let (lf, pf) = (l as f64, p as f64);
+    let weight = (pf - elapsed as f64) / pf;
+    let estimate = previous as f64 * weight + current as f64;
+    let window_end = (window + 1) * p;
+    if estimate + want as f64 <= lf {
+        let current = current + take;
+        let reset = if current > 0 {
+            window_end + p - now
+        } else if previous > 0 {
+            window_end - now
+        } else {
+            0
+        };
+        Raw {
+            verdict: Verdict {
+                allowed: true,
+                remaining: (lf - estimate - take as f64).floor() as u64,
+                reset_us: reset,
+            },
+            update: Some(Update {
+                state: State::Sliding {
+                    window,
+                    current,
+                    previous,
+                },
+                ttl_us: 2 * p + EXPIRY_SLACK_US,
+            }),
+        }
+    } else {
+        let reset = sliding_counter_wait(l, p, now, window, current, previous, want).max(1);
+        Raw {
+            verdict: Verdict {
+                allowed: false,
+                remaining: (lf - estimate).max(0.0).floor() as u64,
+                reset_us: reset,
+            },
+            update: None,
+        }
+    }
+}
+
+/// Earliest wait after which `want` more hits pass, with no other traffic.
+fn sliding_counter_wait(
+    l: u64,
+    p: u64,
+    now: u64,
+    window: u64,
+    current: u64,
+    previous: u64,
+    want: u64,
+) -> u64 {
+    let pf = p as f64;
+    // Solve weight * count + base <= L for the elapsed time within a window whose previous
+    // count is `count`: elapsed >= P - (L - base) * P / count.
+    let solve = |count: u64, base: u64| -> Option<f64> {
+        let room = l.checked_sub(base)?;
+        if count == 0 {
+            return Some(0.0);
+        }
+        Some((pf - room as f64 * pf / count as f64).max(0.0))
+    };
+    if let Some(elapsed) = solve(previous, current + want)
+        && elapsed < pf
+    {
+        let at = window * p + elapsed.ceil() as u64;
+        return at.saturating_sub(now);
+    }
+    if let Some(elapsed) = solve(current, want)
+        && elapsed < pf
+    {
+        let at = (window + 1) * p + elapsed.ceil() as u64;
+        return at.saturating_sub(now);
+    }
+    (window + 2) * p - now
+}
+
+/// Tokens after refilling up to `now`, and the refill time stored with them.
+fn refilled_bucket(params: &Params, state: Option<&State>, now: u64) -> (f64, u64) {
+    let burst = params.burst as f64;
+    match state {
+        Some(State::Bucket { tokens, updated }) => {
+            let elapsed = now.saturating_sub(*updated);
+            let refill = elapsed as f64 * params.limit as f64 / params.period_us as f64;
+            ((tokens + refill).min(burst), now.max(*updated))
+        }
+        _ => (burst, now),
+    }
+}
+
+fn bucket_ttl(params: &Params, tokens: f64) -> u64 {
+    let missing = (params.burst as f64 - tokens).max(0.0);
+    (missing * params.period_us as f64 / params.limit as f64).ceil() as u64 + EXPIRY_SLACK_US
+}
+
+fn token_bucket(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+    let (tokens, updated) = refilled_bucket(params, state, now);
+    let rate_inverse = params.period_us as f64 / params.limit as f64;
+    if tokens >= want as f64 {
+        let tokens = tokens - take as f64;
+        let missing = (params.burst as f64 - tokens).max(0.0);
+        Raw {
+            verdict: Verdict {
+                allowed: true,
+                remaining: tokens.floor() as u64,
+                reset_us: (missing * rate_inverse).ceil() as u64,
+            },
+            update: Some(Update {
+                state: State::Bucket { tokens, updated },
+                ttl_us: bucket_ttl(params, tokens),
+            }),
+        }
+    } else {
+        Raw {
+            verdict: Verdict {
+                allowed: false,
+                remaining: tokens.floor() as u64,
+                reset_us: ((want as f64 - tokens) * rate_inverse).ceil() as u64,
+            },
+            update: None,
+        }
+    }
+}
+
+fn gcra(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+    let t = params.emission_interval();
+    let tau = params.burst.saturating_sub(1) * t;
+    let tat0 = match state {
+        Some(State::Gcra { tat }) => (*tat).max(now),
+        _ => now,
+    };
+    // allow_at = tat0 + want*T - tau - T; written to stay in unsigned arithmetic.
+    let allowed = now + tau + t >= tat0 + want * t;
+    if allowed {
+        let new_tat = tat0 + take * t;
+        Raw {
+            verdict: Verdict {
+                allowed: true,
+                remaining: (now + tau + t - new_tat) / t,
+                reset_us: new_tat - now,
+            },
+            update: Some(Update {
+                state: State::Gcra { tat: new_tat },
+                ttl_us: new_tat - now + EXPIRY_SLACK_US,
+            }),
+        }
+    } else {
+        let allow_at = tat0 + want * t - tau - t;
+        let remaining = (now + tau + t).saturating_sub(tat0) / t;
+        Raw {
+            verdict: Verdict {
+                allowed: false,
+                remaining: remaining.min(params.burst),
+                reset_us: allow_at - now,
+            },
+            update: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
