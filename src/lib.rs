@@ -11,6 +11,12 @@
 //! - [`server`]: listeners, signals and shutdown.
 
 pub mod config;
+pub mod engine;
+pub mod http;
 pub mod limit;
 pub mod pb;
+pub mod server;
+pub mod service;
 pub mod algorithm;
+pub mod clock;
+pub mod store;

@@ -1,5 +1,10 @@
 //! Configuration: YAML files compatible with envoyproxy/ratelimit, validated into [`model`] types.
 
+mod load;
 pub mod model;
+#[cfg(test)]
+mod tests;
+mod yaml;
 
+pub use load::{ConfigError, ConfigErrors, load_path, load_str};
 pub use model::{Config, Domain, KeyNodes, Level, Node, Policy, Wildcard};

@@ -1,0 +1,850 @@
+//! Loading config files: YAML text -> validated [`Domain`], reporting every problem of a file.
+//!
+//! [`yaml::parse`] turns the text into a tree where every node knows its line and column; this
+//! module walks that tree into the model, recording each problem it meets and carrying on, so
+//! one run reports all of a file's errors. Messages keep envoyproxy/ratelimit's wording where it
+//! has one.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::fs;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+
+use crate::config::model::{Config, Domain, Level, Node, Policy, Wildcard};
+use crate::config::yaml::{self, Pos, Value};
+use crate::limit::{Algorithm, Limit, Period, Unit};
+
+/// A node of the raw YAML tree (as opposed to a [`Node`] of the config tree).
+type YNode = yaml::Node;
+
+/// One problem in a config file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}:{line}:{column}: {reason}")]
+pub struct ConfigError {
+    /// The file's path as given (or as found in the directory).
+    pub file: String,
+    /// 1-based line; 0 when the problem is not inside the file (it could not be read).
+    pub line: u64,
+    /// 1-based column; 0 together with line 0.
+    pub column: u64,
+    /// What is wrong, naming the offending key or value.
+    pub reason: String,
+}
+
+/// All problems found while loading (never empty when returned as `Err`).
+#[derive(Debug, thiserror::Error)]
+#[error("{}", one_per_line(.0))]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+/// Formats errors one per line.
+fn one_per_line(errors: &[ConfigError]) -> String {
+    let mut out = String::new();
+    for (i, error) in errors.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let _ = write!(out, "{error}");
+    }
+    out
+}
+
+/// Loads a config file, or every `*.yaml` / `*.yml` file at the top level of a directory.
+///
+/// In a directory, names starting with `.` are skipped (Kubernetes ConfigMap mounts keep their
+/// real files under `..data`), symlinks are followed, and files are read in name order. Every
+/// file is checked even when an earlier one has errors; the `Err` holds all of them.
+pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
+    let mut errors = Vec::new();
+    let files = match fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => match list_dir(path) {
+            Ok(files) => files,
+            Err(error) => return Err(ConfigErrors(vec![error])),
+        },
+        Ok(_) => vec![path.to_path_buf()],
+        Err(error) => return Err(ConfigErrors(vec![unreadable(path, &error)])),
+    };
+    let mut config = Config::default();
+    let mut first_file: HashMap<String, String> = HashMap::new();
+    for file in files {
+        let text = match fs::read(&file) {
+            Ok(bytes) => match String::from_utf8(bytes) {
+                Ok(text) => text,
+                Err(_) => {
+                    errors.push(ConfigError {
+                        file: file.display().to_string(),
+                        line: 0,
+                        column: 0,
+                        reason: "cannot read config file: it is not valid UTF-8".to_owned(),
+                    });
+                    continue;
+                }
+            },
+            Err(error) => {
+                errors.push(unreadable(&file, &error));
+                continue;
+            }
+        };
+        let name = file.display().to_string();
+        let loaded = load_file(&name, &text);
+        let mut duplicate = false;
+        if let Some((domain, pos)) = &loaded.domain {
+            if let Some(first) = first_file.get(domain) {
+                duplicate = true;
+                errors.push(error_at(
+                    &name,
+                    *pos,
+                    format!(
+                        "duplicate domain '{domain}' in config file (already defined in {first})"
+                    ),
+                ));
+            } else {
+                first_file.insert(domain.clone(), name.clone());
+            }
+        }
+        match loaded.result {
+            Ok(domain) if !duplicate => {
+                config.domains.insert(domain.name.clone(), domain);
+            }
+            Ok(_) => {}
+            Err(file_errors) => errors.extend(file_errors),
+        }
+    }
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}
+
+/// Loads one file's text; `file_name` is only used in errors and as [`Domain::source`].
+pub fn load_str(file_name: &str, yaml: &str) -> Result<Domain, Vec<ConfigError>> {
+    load_file(file_name, yaml).result
+}
+
+/// The config files of a directory, sorted by name.
+fn list_dir(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let entries = fs::read_dir(dir).map_err(|error| unreadable(dir, &error))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|error| unreadable(dir, &error))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') || !(name.ends_with(".yaml") || name.ends_with(".yml")) {
+            continue;
+        }
+        let path = entry.path();
+        // A broken symlink with a config name is kept, so reading it reports the problem.
+        if fs::metadata(&path).map_or(true, |meta| meta.is_file()) {
+            files.push(path);
+        }
+    }
+    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+    Ok(files)
+}
+
+/// The error for a path that cannot be read.
+fn unreadable(path: &Path, error: &std::io::Error) -> ConfigError {
+    ConfigError {
+        file: path.display().to_string(),
+        line: 0,
+        column: 0,
+        reason: format!("cannot read config: {error}"),
+    }
+}
+
+/// An error at a position of a file.
+fn error_at(file: &str, pos: Pos, reason: String) -> ConfigError {
+    ConfigError {
+        file: file.to_owned(),
+        line: pos.line,
+        column: pos.column,
+        reason,
+    }
+}
+
+/// One file's outcome, plus its domain name even when the file has other errors (so duplicate
+/// domains across files are still reported).
+struct Loaded {
+    /// The non-empty `domain:` and where its key is.
+    domain: Option<(String, Pos)>,
+    /// The domain, or every error of the file sorted by position.
+    result: Result<Domain, Vec<ConfigError>>,
+}
+
+/// Parses and validates one file.
+fn load_file(file: &str, text: &str) -> Loaded {
+    let root = match yaml::parse(text) {
+        Ok(root) => root,
+        Err(error) => {
+            let (pos, message) = yaml::describe_error(&error);
+            return Loaded {
+                domain: None,
+                result: Err(vec![error_at(
+                    file,
+                    pos,
+                    format!("invalid YAML: {message}"),
+                )]),
+            };
+        }
+    };
+    let mut walker = Walker {
+        file,
+        text,
+        errors: Vec::new(),
+        domain: String::new(),
+        limit_names: HashSet::new(),
+        replaces_refs: Vec::new(),
+    };
+    let (domain, root) = walker.file(&root);
+    walker.check_replaces();
+    let mut errors = walker.errors;
+    let result = match (&domain, errors.is_empty()) {
+        (Some((name, _)), true) => Ok(Domain {
+            name: name.clone(),
+            source: file.to_owned(),
+            root,
+        }),
+        _ => {
+            errors.sort_by_key(|error| (error.line, error.column));
+            Err(errors)
+        }
+    };
+    Loaded { domain, result }
+}
+
+/// Keys allowed at the top of a file.
+const FILE_KEYS: &[&str] = &["domain", "descriptors"];
+/// Keys allowed in a descriptor.
+const DESCRIPTOR_KEYS: &[&str] = &[
+    "key",
+    "value",
+    "rate_limit",
+    "rate_limits",
+    "shadow_mode",
+    "detailed_metric",
+    "descriptors",
+];
+/// Keys allowed in a rate limit.
+const LIMIT_KEYS: &[&str] = &[
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "name",
+    "replaces",
+    "algorithm",
+    "burst",
+    "unit_multiplier",
+    "shadow_mode",
+];
+/// Keys allowed in a `replaces` entry.
+const REPLACES_KEYS: &[&str] = &["name"];
+/// Rate limit keys that make no sense with `unlimited: true`.
+const LIMITED_ONLY_KEYS: &[&str] = &[
+    "unit",
+    "requests_per_unit",
+    "algorithm",
+    "burst",
+    "unit_multiplier",
+    "shadow_mode",
+    "replaces",
+];
+
+/// A mapping's known entries, after its unknown keys have been reported.
+struct Fields<'n> {
+    /// `(key name, key node, value node)` in file order.
+    entries: Vec<(&'static str, &'n YNode, &'n YNode)>,
+}
+
+impl<'n> Fields<'n> {
+    /// The key and value of `name`, even when the value is null.
+    fn raw(&self, name: &str) -> Option<(&'n YNode, &'n YNode)> {
+        self.entries
+            .iter()
+            .find(|(known, _, _)| *known == name)
+            .map(|(_, key, value)| (*key, *value))
+    }
+
+    /// The key and value of `name`; a null value (`name:` or `name: ~`) counts as absent.
+    fn get(&self, name: &str) -> Option<(&'n YNode, &'n YNode)> {
+        self.raw(name)
+            .filter(|(_, value)| !matches!(value.value, Value::Null))
+    }
+}
+
+/// A rate limit as parsed, before it is placed on its descriptor.
+struct ParsedLimit {
+    /// The limit, or `None` for `unlimited: true`.
+    limit: Option<Limit>,
+    /// Its `name`, if non-empty.
+    name: Option<String>,
+    /// `replaces` names and where each is written.
+    replaces: Vec<(String, Pos)>,
+    /// Where the limit is written.
+    pos: Pos,
+}
+
+/// Walks one file's YAML tree, collecting errors.
+struct Walker<'a> {
+    /// File name for errors.
+    file: &'a str,
+    /// The file's text, to recover plain scalars' spelling.
+    text: &'a str,
+    /// Every problem found so far.
+    errors: Vec<ConfigError>,
+    /// The domain name (possibly empty), the first element of every descriptor path.
+    domain: String,
+    /// Every limit name in the domain (targets of `replaces`).
+    limit_names: HashSet<String>,
+    /// Every `replaces` name not already rejected, checked against `limit_names` at the end.
+    replaces_refs: Vec<(String, Pos)>,
+}
+
+impl Walker<'_> {
+    /// Records an error.
+    fn error(&mut self, pos: Pos, reason: String) {
+        self.errors.push(error_at(self.file, pos, reason));
+    }
+
+    /// Describes a node for messages: a scalar by its spelling, a container by its kind.
+    fn describe(&self, node: &YNode) -> String {
+        match (&node.value, node.scalar_text(self.text)) {
+            (Value::Str(text), _) => format!("the string '{text}'"),
+            (_, Some(text)) => text,
+            (Value::Null, None) => "nothing".to_owned(),
+            (other, None) => other.kind().to_owned(),
+        }
+    }
+
+    /// A mapping's entries, reporting every key not in `allowed`; `None` if it is no mapping.
+    fn fields<'n>(
+        &mut self,
+        node: &'n YNode,
+        what: &str,
+        allowed: &'static [&'static str],
+    ) -> Option<Fields<'n>> {
+        let Value::Map(entries) = &node.value else {
+            let found = self.describe(node);
+            self.error(node.pos, format!("{what} must be a mapping, found {found}"));
+            return None;
+        };
+        let mut fields = Fields {
+            entries: Vec::with_capacity(entries.len()),
+        };
+        for (key, value) in entries {
+            let name = match &key.value {
+                Value::Seq(_) | Value::Map(_) | Value::Null => None,
+                _ => key.scalar_text(self.text),
+            };
+            let Some(name) = name else {
+                let found = self.describe(key);
+                self.error(
+                    key.pos,
+                    format!("keys in {what} must be strings, found {found}"),
+                );
+                continue;
+            };
+            match allowed.iter().find(|known| **known == name) {
+                Some(known) => fields.entries.push((*known, key, value)),
+                None => self.error(
+                    key.pos,
+                    format!(
+                        "unknown key '{name}' in {what} (valid keys: {})",
+                        allowed.join(", ")
+                    ),
+                ),
+            }
+        }
+        Some(fields)
+    }
+
+    /// A scalar as text (null is empty); `None` after reporting a list or mapping.
+    fn text(&mut self, field: &str, node: &YNode) -> Option<String> {
+        match &node.value {
+            Value::Null => Some(String::new()),
+            Value::Seq(_) | Value::Map(_) => {
+                let found = node.value.kind();
+                self.error(node.pos, format!("{field} must be a string, found {found}"));
+                None
+            }
+            _ => node.scalar_text(self.text),
+        }
+    }
+
+    /// A YAML boolean; `None` after reporting anything else.
+    fn boolean(&mut self, field: &str, node: &YNode) -> Option<bool> {
+        if let Value::Bool(value) = node.value {
+            return Some(value);
+        }
+        let found = self.describe(node);
+        self.error(
+            node.pos,
+            format!("{field} must be true or false, found {found}"),
+        );
+        None
+    }
+
+    /// An integer in `min..=u32::MAX`; `None` after reporting anything else.
+    fn uint(&mut self, field: &str, node: &YNode, min: u32) -> Option<u32> {
+        if let Value::Int(value) = node.value
+            && let Ok(value) = u32::try_from(value)
+            && value >= min
+        {
+            return Some(value);
+        }
+        let found = self.describe(node);
+        self.error(
+            node.pos,
+            format!(
+                "{field} must be an integer from {min} to {}, found {found}",
+                u32::MAX
+            ),
+        );
+        None
+    }
+
+    /// The whole file: its domain (name and key position) and its top level.
+    fn file(&mut self, root: &YNode) -> (Option<(String, Pos)>, Level) {
+        let mut level = Level::default();
+        if matches!(root.value, Value::Null) {
+            self.error(
+                Pos::new(1, 1),
+                "config file is empty: it needs 'domain' and 'descriptors'".to_owned(),
+            );
+            return (None, level);
+        }
+        let Some(fields) = self.fields(root, "config file", FILE_KEYS) else {
+            return (None, level);
+        };
+        let mut domain = None;
+        match fields.raw("domain") {
+            None => self.error(
+                root.pos,
+                "missing key 'domain': config file cannot have empty domain".to_owned(),
+            ),
+            Some((key, value)) => match self.text("domain", value) {
+                Some(name) if name.is_empty() => {
+                    self.error(key.pos, "config file cannot have empty domain".to_owned());
+                }
+                Some(name) => {
+                    self.domain.clone_from(&name);
+                    domain = Some((name, key.pos));
+                }
+                None => {}
+            },
+        }
+        if let Some((_, descriptors)) = fields.get("descriptors") {
+            let parent = self.domain.clone();
+            self.descriptors(descriptors, &parent, &mut level);
+        }
+        (domain, level)
+    }
+
+    /// A `descriptors:` list, each placed into `level`.
+    fn descriptors(&mut self, node: &YNode, parent_path: &str, level: &mut Level) {
+        match &node.value {
+            Value::Seq(items) => {
+                for item in items {
+                    self.descriptor(item, parent_path, level);
+                }
+            }
+            _ => {
+                let found = self.describe(node);
+                self.error(
+                    node.pos,
+                    format!("descriptors must be a list, found {found}"),
+                );
+            }
+        }
+    }
+
+    /// One descriptor, placed into `level` unless it is broken or a duplicate.
+    fn descriptor(&mut self, item: &YNode, parent_path: &str, level: &mut Level) {
+        let Some(fields) = self.fields(item, "descriptor", DESCRIPTOR_KEYS) else {
+            return;
+        };
+        let key = match fields.raw("key") {
+            None => {
+                self.error(
+                    item.pos,
+                    "descriptor has empty key (missing 'key')".to_owned(),
+                );
+                None
+            }
+            Some((key_node, value)) => match self.text("key", value) {
+                Some(key) if key.is_empty() => {
+                    self.error(key_node.pos, "descriptor has empty key".to_owned());
+                    None
+                }
+                other => other.map(|key| (key, value.pos)),
+            },
+        };
+        let value = fields
+            .get("value")
+            .and_then(|(_, value)| Some((self.text("value", value)?, value.pos)))
+            .filter(|(value, _)| !value.is_empty());
+        let key_text = key.as_ref().map_or("", |(key, _)| key.as_str());
+        let path = match &value {
+            Some((value, _)) => format!("{parent_path}.{key_text}_{value}"),
+            None => format!("{parent_path}.{key_text}"),
+        };
+        let mut node = Node {
+            path,
+            ..Node::default()
+        };
+        if let Some((_, flag)) = fields.get("detailed_metric") {
+            node.detailed_metric = self.boolean("detailed_metric", flag).unwrap_or(false);
+        }
+        let shadow = fields
+            .get("shadow_mode")
+            .and_then(|(_, flag)| self.boolean("shadow_mode", flag))
+            .unwrap_or(false);
+        node.policy = self.policy(&fields, shadow);
+        if let Some((_, children)) = fields.get("descriptors") {
+            let path = node.path.clone();
+            self.descriptors(children, &path, &mut node.children);
+        }
+        let Some((key, key_pos)) = key else {
+            return;
+        };
+        let nodes = level.keys.entry(key).or_default();
+        let duplicate_at = match value {
+            None if nodes.default.is_some() => key_pos,
+            None => {
+                nodes.default = Some(Box::new(node));
+                return;
+            }
+            Some((value, value_pos)) => match Wildcard::new(&value) {
+                Some(_) if nodes.wildcards.iter().any(|(w, _)| w.pattern == value) => value_pos,
+                Some(wildcard) => {
+                    nodes.wildcards.push((wildcard, node));
+                    return;
+                }
+                None if nodes.exact.contains_key(&value) => value_pos,
+                None => {
+                    nodes.exact.insert(value, node);
+                    return;
+                }
+            },
+        };
+        self.error(
+            duplicate_at,
+            format!("duplicate descriptor composite key '{}'", node.path),
+        );
+    }
+
+    /// A descriptor's `rate_limit` / `rate_limits`; `None` if it has none or they are broken.
+    fn policy(&mut self, fields: &Fields<'_>, descriptor_shadow: bool) -> Option<Policy> {
+        let single = fields.get("rate_limit");
+        let list = fields.get("rate_limits");
+        let mut broken = false;
+        let mut parsed = Vec::new();
+        if let Some((key, node)) = single {
+            match self.limit(node, key.pos, "rate_limit") {
+                Some(limit) => parsed.push(limit),
+                None => broken = true,
+            }
+        }
+        if let Some((key, node)) = list {
+            if single.is_some() {
+                self.error(
+                    key.pos,
+                    "rate_limit and rate_limits cannot both be given; put every limit in rate_limits"
+                        .to_owned(),
+                );
+                broken = true;
+            }
+            match &node.value {
+                Value::Seq(items) if items.is_empty() => {
+                    self.error(node.pos, "rate_limits must not be an empty list".to_owned());
+                    broken = true;
+                }
+                Value::Seq(items) => {
+                    for item in items {
+                        match self.limit(item, item.pos, "rate_limits entry") {
+                            Some(limit) => parsed.push(limit),
+                            None => broken = true,
+                        }
+                    }
+                }
+                _ => {
+                    let found = self.describe(node);
+                    self.error(
+                        node.pos,
+                        format!("rate_limits must be a list, found {found}"),
+                    );
+                    broken = true;
+                }
+            }
+        }
+        if parsed.len() > 1 {
+            for limit in parsed.iter().filter(|limit| limit.limit.is_none()) {
+                self.error(
+                    limit.pos,
+                    "an unlimited limit cannot be combined with other limits on one descriptor"
+                        .to_owned(),
+                );
+                broken = true;
+            }
+        }
+        let names: HashSet<String> = parsed.iter().filter_map(|l| l.name.clone()).collect();
+        for limit in &mut parsed {
+            for (target, pos) in std::mem::take(&mut limit.replaces) {
+                if names.contains(&target) {
+                    self.error(
+                        pos,
+                        format!("replaces should not contain name of same descriptor ('{target}')"),
+                    );
+                    broken = true;
+                } else {
+                    limit.replaces.push((target, pos));
+                }
+            }
+        }
+        for limit in &mut parsed {
+            self.replaces_refs.append(&mut limit.replaces);
+        }
+        self.limit_names.extend(names);
+        if broken || parsed.is_empty() {
+            return None;
+        }
+        if let [
+            ParsedLimit {
+                limit: None, name, ..
+            },
+        ] = parsed.as_mut_slice()
+        {
+            return Some(Policy::Unlimited { name: name.take() });
+        }
+        let limits = parsed
+            .into_iter()
+            .filter_map(|parsed| parsed.limit)
+            .map(|mut limit| {
+                limit.shadow |= descriptor_shadow;
+                limit
+            })
+            .collect();
+        Some(Policy::Limits(limits))
+    }
+
+    /// One rate limit mapping; `at` is where to report missing keys. `None` if it is broken.
+    fn limit(&mut self, node: &YNode, at: Pos, what: &str) -> Option<ParsedLimit> {
+        let fields = self.fields(node, what, LIMIT_KEYS)?;
+        let mut ok = true;
+        // `None` when `unlimited` itself is broken: then missing keys are not reported, as
+        // they might not have been meant to be there.
+        let unlimited = match fields.get("unlimited") {
+            Some((_, flag)) => self.boolean("unlimited", flag),
+            None => Some(false),
+        };
+        ok &= unlimited.is_some();
+        let name = match fields.get("name") {
+            Some((_, name)) => self.text("name", name).or_else(|| {
+                ok = false;
+                None
+            }),
+            None => None,
+        }
+        .filter(|name| !name.is_empty());
+        let replaces = match fields.get("replaces") {
+            Some((_, list)) => self.replaces(list).unwrap_or_else(|| {
+                ok = false;
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        if unlimited == Some(true) {
+            for key in LIMITED_ONLY_KEYS {
+                if let Some((key_node, _)) = fields.get(key) {
+                    let reason = match *key {
+                        "unit" => "should not specify rate limit unit when unlimited".to_owned(),
+                        "replaces" => {
+                            "should not specify replaces when unlimited (an unlimited limit replaces nothing)"
+                                .to_owned()
+                        }
+                        other => format!("should not specify {other} when unlimited"),
+                    };
+                    self.error(key_node.pos, reason);
+                    ok = false;
+                }
+            }
+            return ok.then_some(ParsedLimit {
+                limit: None,
+                name,
+                replaces: Vec::new(),
+                pos: at,
+            });
+        }
+        let unit = match fields.get("unit") {
+            None => {
+                if unlimited.is_some() {
+                    self.error(at, format!("{what} is missing 'unit'"));
+                }
+                None
+            }
+            Some((_, unit)) => {
+                let parsed = match &unit.value {
+                    Value::Str(text) => Unit::parse(text),
+                    _ => None,
+                };
+                if parsed.is_none() {
+                    let spelled = unit
+                        .scalar_text(self.text)
+                        .unwrap_or_else(|| self.describe(unit));
+                    let valid: Vec<&str> = Unit::ALL.iter().map(|unit| unit.name()).collect();
+                    self.error(
+                        unit.pos,
+                        format!(
+                            "invalid rate limit unit '{spelled}' (valid: {})",
+                            valid.join(", ")
+                        ),
+                    );
+                }
+                parsed
+            }
+        };
+        let requests_per_unit = match fields.get("requests_per_unit") {
+            None => {
+                if unlimited.is_some() {
+                    self.error(at, format!("{what} is missing 'requests_per_unit'"));
+                }
+                None
+            }
+            Some((_, count)) => self.uint("requests_per_unit", count, 0),
+        };
+        let algorithm = match fields.get("algorithm") {
+            None => Some(Algorithm::FixedWindow),
+            Some((_, algorithm)) => {
+                let parsed = match &algorithm.value {
+                    Value::Str(text) => Algorithm::parse(&text.to_ascii_lowercase()),
+                    _ => None,
+                };
+                if parsed.is_none() {
+                    let spelled = algorithm
+                        .scalar_text(self.text)
+                        .unwrap_or_else(|| self.describe(algorithm));
+                    let valid: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+                    self.error(
+                        algorithm.pos,
+                        format!(
+                            "invalid algorithm '{spelled}' (valid: {})",
+                            valid.join(", ")
+                        ),
+                    );
+                }
+                parsed
+            }
+        };
+        let burst = match fields.get("burst") {
+            None => Some(None),
+            Some((key, burst)) => {
+                let value = self.uint("burst", burst, 1).and_then(NonZeroU32::new);
+                if let Some(algorithm) = algorithm
+                    && !algorithm.takes_burst()
+                {
+                    let valid: Vec<&str> = Algorithm::ALL
+                        .iter()
+                        .filter(|a| a.takes_burst())
+                        .map(|a| a.name())
+                        .collect();
+                    self.error(
+                        key.pos,
+                        format!("burst is only for {}, not {algorithm}", valid.join(" and ")),
+                    );
+                    ok = false;
+                }
+                value.map(Some)
+            }
+        };
+        let multiplier = match fields.get("unit_multiplier") {
+            None => Some(NonZeroU32::MIN),
+            Some((_, multiplier)) => self
+                .uint("unit_multiplier", multiplier, 1)
+                .and_then(NonZeroU32::new),
+        };
+        let shadow = match fields.get("shadow_mode") {
+            None => Some(false),
+            Some((_, flag)) => self.boolean("shadow_mode", flag),
+        };
+        let (
+            true,
+            Some(unit),
+            Some(requests_per_unit),
+            Some(algorithm),
+            Some(burst),
+            Some(multiplier),
+            Some(shadow),
+        ) = (
+            ok,
+            unit,
+            requests_per_unit,
+            algorithm,
+            burst,
+            multiplier,
+            shadow,
+        )
+        else {
+            return None;
+        };
+        Some(ParsedLimit {
+            limit: Some(Limit {
+                name: name.clone(),
+                requests_per_unit,
+                period: Period { unit, multiplier },
+                algorithm,
+                burst,
+                shadow,
+                replaces: replaces.iter().map(|(name, _)| name.clone()).collect(),
+            }),
+            name,
+            replaces,
+            pos: at,
+        })
+    }
+
+    /// A `replaces:` list of `{name: <limit>}`; `None` if any entry is broken.
+    fn replaces(&mut self, node: &YNode) -> Option<Vec<(String, Pos)>> {
+        let Value::Seq(items) = &node.value else {
+            let found = self.describe(node);
+            self.error(node.pos, format!("replaces must be a list, found {found}"));
+            return None;
+        };
+        let mut names = Vec::with_capacity(items.len());
+        let mut ok = true;
+        for item in items {
+            let Some(fields) = self.fields(item, "replaces entry", REPLACES_KEYS) else {
+                ok = false;
+                continue;
+            };
+            let name = match fields.get("name") {
+                Some((_, name)) => self.text("name", name).map(|text| (text, name.pos)),
+                None => Some((String::new(), item.pos)),
+            };
+            match name {
+                Some((name, _)) if name.is_empty() => {
+                    self.error(
+                        item.pos,
+                        "should not have an empty replaces entry".to_owned(),
+                    );
+                    ok = false;
+                }
+                Some(name) => names.push(name),
+                None => ok = false,
+            }
+        }
+        ok.then_some(names)
+    }
+
+    /// Reports every `replaces` name that no limit of the domain has.
+    fn check_replaces(&mut self) {
+        for (name, pos) in std::mem::take(&mut self.replaces_refs) {
+            if !self.limit_names.contains(&name) {
+                let reason = format!(
+                    "replaces unknown limit name '{name}' (no limit in domain '{}' has that name)",
+                    self.domain
+                );
+                self.error(pos, reason);
+            }
+        }
+    }
+}

@@ -1,0 +1,1308 @@
+//! Tests of the config loader and of wildcard matching.
+
+use std::num::NonZeroU32;
+use std::path::Path;
+
+use super::{
+    ConfigError, ConfigErrors, Domain, Level, Node, Policy, Wildcard, load_path, load_str,
+};
+use crate::limit::{Algorithm, Limit, Period, Unit};
+
+const ENVOY_EXAMPLE: &str = include_str!("../../tests/fixtures/config/envoy_example.yaml");
+const RLSD_EXTENSIONS: &str = include_str!("../../tests/fixtures/config/rlsd_extensions.yaml");
+
+/// Strips the common indentation (and a leading newline), so YAML can be written indented.
+fn dedent(text: &str) -> String {
+    let text = text.strip_prefix('\n').unwrap_or(text);
+    let indent = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| line.len() - line.trim_start().len())
+        .min()
+        .unwrap_or(0);
+    let mut out = String::new();
+    for line in text.lines() {
+        out.push_str(line.get(indent..).unwrap_or(""));
+        out.push('\n');
+    }
+    out
+}
+
+fn load(yaml: &str) -> Domain {
+    match load_str("test.yaml", &dedent(yaml)) {
+        Ok(domain) => domain,
+        Err(errors) => panic!("unexpected errors:\n{}", ConfigErrors(errors)),
+    }
+}
+
+fn errors(yaml: &str) -> Vec<ConfigError> {
+    match load_str("test.yaml", &dedent(yaml)) {
+        Ok(domain) => panic!("expected errors, loaded {domain:?}"),
+        Err(errors) => {
+            assert!(!errors.is_empty());
+            errors
+        }
+    }
+}
+
+/// Asserts the file has exactly one error, at `line`, containing `reason`.
+#[track_caller]
+fn one_error(yaml: &str, line: u64, reason: &str) -> ConfigError {
+    let errors = errors(yaml);
+    assert_eq!(
+        errors.len(),
+        1,
+        "expected one error, got:\n{}",
+        ConfigErrors(errors.clone())
+    );
+    let error = errors.into_iter().next().unwrap();
+    assert!(
+        error.reason.contains(reason),
+        "{error} does not contain {reason:?}"
+    );
+    assert_eq!(error.line, line, "wrong line: {error}");
+    assert_eq!(error.file, "test.yaml");
+    error
+}
+
+fn exact<'a>(level: &'a Level, key: &str, value: &str) -> &'a Node {
+    level.keys[key]
+        .exact
+        .get(value)
+        .unwrap_or_else(|| panic!("no {key}={value}"))
+}
+
+fn default<'a>(level: &'a Level, key: &str) -> &'a Node {
+    level.keys[key]
+        .default
+        .as_deref()
+        .unwrap_or_else(|| panic!("no default {key}"))
+}
+
+fn limits(node: &Node) -> &[Limit] {
+    match &node.policy {
+        Some(Policy::Limits(limits)) => limits,
+        other => panic!("{}: not limits: {other:?}", node.path),
+    }
+}
+
+fn only_limit(node: &Node) -> &Limit {
+    let limits = limits(node);
+    assert_eq!(limits.len(), 1, "{}", node.path);
+    &limits[0]
+}
+
+fn named(limit: Limit, name: &str) -> Limit {
+    Limit {
+        name: Some(name.to_owned()),
+        ..limit
+    }
+}
+
+// ---- good files ----
+
+#[test]
+fn envoy_example_loads_into_the_expected_tree() {
+    let domain = match load_str("fixtures/envoy_example.yaml", ENVOY_EXAMPLE) {
+        Ok(domain) => domain,
+        Err(errors) => panic!("{}", ConfigErrors(errors)),
+    };
+    assert_eq!(domain.name, "mongo_cps");
+    assert_eq!(domain.source, "fixtures/envoy_example.yaml");
+    let root = &domain.root;
+    let mut keys: Vec<_> = root.keys.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "client_id",
+            "database",
+            "destination_cluster",
+            "path",
+            "remote_address",
+            "status"
+        ]
+    );
+
+    let users = exact(root, "database", "users");
+    assert_eq!(users.path, "mongo_cps.database_users");
+    assert_eq!(
+        *only_limit(users),
+        named(Limit::fixed(500, Unit::Second), "users_db")
+    );
+    assert!(!users.detailed_metric);
+    assert!(users.children.keys.is_empty());
+    let db_default = exact(root, "database", "default");
+    assert_eq!(db_default.path, "mongo_cps.database_default");
+    assert_eq!(*only_limit(db_default), Limit::fixed(500, Unit::Second));
+    assert!(root.keys["database"].default.is_none());
+
+    let any_ip = default(root, "remote_address");
+    assert_eq!(any_ip.path, "mongo_cps.remote_address");
+    assert_eq!(*only_limit(any_ip), Limit::fixed(10, Unit::Minute));
+    let blocked = exact(root, "remote_address", "50.0.0.5");
+    assert_eq!(blocked.path, "mongo_cps.remote_address_50.0.0.5");
+    assert_eq!(only_limit(blocked).requests_per_unit, 0);
+
+    let paths = &root.keys["path"];
+    assert!(paths.exact.is_empty() && paths.default.is_none());
+    let patterns: Vec<_> = paths
+        .wildcards
+        .iter()
+        .map(|(w, _)| w.pattern.as_str())
+        .collect();
+    assert_eq!(patterns, ["/api/v1/*", "/api/*/users", "*"]);
+    let (_, v1) = &paths.wildcards[0];
+    assert_eq!(v1.path, "mongo_cps.path_/api/v1/*");
+    assert_eq!(*only_limit(v1), Limit::fixed(1000, Unit::Hour));
+    let (star, any_path) = &paths.wildcards[2];
+    assert!(star.matches("anything"));
+    assert!(any_path.detailed_metric);
+    assert_eq!(*only_limit(any_path), Limit::fixed(5, Unit::Day));
+
+    let mock = exact(root, "destination_cluster", "mock");
+    assert_eq!(mock.path, "mongo_cps.destination_cluster_mock");
+    assert_eq!(
+        mock.policy, None,
+        "a node without rate_limit is a whitelist node"
+    );
+    let proxy = exact(&mock.children, "source_cluster", "proxy");
+    assert_eq!(
+        proxy.path,
+        "mongo_cps.destination_cluster_mock.source_cluster_proxy"
+    );
+    let expected = Limit {
+        shadow: true,
+        ..named(Limit::fixed(100, Unit::Minute), "proxy_limit")
+    };
+    assert_eq!(
+        *only_limit(proxy),
+        expected,
+        "descriptor shadow_mode applies to its limit"
+    );
+    let other_sources = default(&mock.children, "source_cluster");
+    assert_eq!(
+        other_sources.path,
+        "mongo_cps.destination_cluster_mock.source_cluster"
+    );
+    assert_eq!(
+        other_sources.policy,
+        Some(Policy::Unlimited {
+            name: Some("unlimited_sources".to_owned())
+        })
+    );
+
+    let foo = exact(root, "client_id", "foo");
+    assert_eq!(foo.policy, None);
+    let foo_bar = exact(&foo.children, "path", "/foo/bar");
+    assert_eq!(foo_bar.path, "mongo_cps.client_id_foo.path_/foo/bar");
+    assert_eq!(
+        *only_limit(foo_bar),
+        Limit {
+            replaces: vec!["client_default".to_owned()],
+            ..named(Limit::fixed(10, Unit::Minute), "foo_bar")
+        }
+    );
+    let any_client = default(root, "client_id");
+    let any_path = default(&any_client.children, "path");
+    assert_eq!(any_path.path, "mongo_cps.client_id.path");
+    assert_eq!(
+        *only_limit(any_path),
+        named(Limit::fixed(1000, Unit::Minute), "client_default")
+    );
+
+    let ok = exact(root, "status", "200");
+    assert_eq!(ok.path, "mongo_cps.status_200");
+    assert_eq!(*only_limit(ok), Limit::fixed(u32::MAX, Unit::Year));
+}
+
+#[test]
+fn rlsd_extensions_load() {
+    let domain = match load_str("ext.yaml", RLSD_EXTENSIONS) {
+        Ok(domain) => domain,
+        Err(errors) => panic!("{}", ConfigErrors(errors)),
+    };
+    let root = &domain.root;
+    let five_minutes = Period {
+        unit: Unit::Minute,
+        multiplier: NonZeroU32::new(5).unwrap(),
+    };
+    assert_eq!(
+        limits(default(root, "user")),
+        [
+            Limit {
+                name: Some("user_burst".to_owned()),
+                requests_per_unit: 10,
+                period: Period::of(Unit::Second),
+                algorithm: Algorithm::TokenBucket,
+                burst: NonZeroU32::new(20),
+                shadow: true,
+                replaces: vec![],
+            },
+            Limit {
+                name: Some("user_sustained".to_owned()),
+                requests_per_unit: 1000,
+                period: five_minutes,
+                algorithm: Algorithm::SlidingWindowCounter,
+                burst: None,
+                shadow: true,
+                replaces: vec![],
+            },
+        ]
+    );
+    assert_eq!(five_minutes.seconds(), 300);
+    assert_eq!(
+        *only_limit(default(root, "tenant")),
+        Limit {
+            algorithm: Algorithm::Gcra,
+            burst: NonZeroU32::new(5),
+            shadow: true,
+            ..Limit::fixed(50, Unit::Second)
+        }
+    );
+    assert_eq!(
+        *only_limit(default(root, "login")),
+        Limit {
+            algorithm: Algorithm::SlidingWindowLog,
+            ..Limit::fixed(3, Unit::Hour)
+        }
+    );
+    assert_eq!(
+        *only_limit(default(root, "report")),
+        Limit {
+            algorithm: Algorithm::Gcra,
+            ..Limit::fixed(1, Unit::Day)
+        },
+        "a one-entry rate_limits list"
+    );
+}
+
+#[test]
+fn per_limit_shadow_is_ored_with_the_descriptor() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            shadow_mode: false
+            rate_limits:
+              - {unit: second, requests_per_unit: 1, shadow_mode: true}
+              - {unit: second, requests_per_unit: 2}
+        ",
+    );
+    let shadows: Vec<_> = limits(default(&domain.root, "a"))
+        .iter()
+        .map(|l| l.shadow)
+        .collect();
+    assert_eq!(shadows, [true, false]);
+}
+
+#[test]
+fn scalar_keys_values_and_names_keep_their_spelling() {
+    let domain = load(
+        "
+        domain: 42
+        descriptors:
+          - key: 7
+            value: 0x10
+            rate_limit: {unit: second, requests_per_unit: 1, name: 1.50}
+          - key: flag
+            value: yes
+          - key: flag
+            value: 'no'
+          - key: code
+            value: 200
+            rate_limit: {unit: second, requests_per_unit: 0x10}
+        ",
+    );
+    assert_eq!(domain.name, "42");
+    let node = exact(&domain.root, "7", "0x10");
+    assert_eq!(node.path, "42.7_0x10");
+    assert_eq!(only_limit(node).name.as_deref(), Some("1.50"));
+    exact(&domain.root, "flag", "yes");
+    exact(&domain.root, "flag", "no");
+    assert_eq!(
+        only_limit(exact(&domain.root, "code", "200")).requests_per_unit,
+        16
+    );
+}
+
+#[test]
+fn empty_or_null_value_is_the_default() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            value: ''
+          - key: b
+            value:
+          - key: c
+            value: ~
+            shadow_mode:
+            rate_limit:
+        ",
+    );
+    for key in ["a", "b", "c"] {
+        let node = default(&domain.root, key);
+        assert_eq!(node.path, format!("d.{key}"));
+        assert_eq!(node.policy, None);
+    }
+}
+
+#[test]
+fn descriptors_are_optional() {
+    assert!(load("domain: d\n").root.keys.is_empty());
+    assert!(load("domain: d\ndescriptors: []\n").root.keys.is_empty());
+    assert!(load("domain: d\ndescriptors:\n").root.keys.is_empty());
+}
+
+#[test]
+fn unlimited_false_is_an_ordinary_limit() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: {unlimited: false, unit: second, requests_per_unit: 3}
+          - key: b
+            rate_limits: [{unlimited: true}]
+        ",
+    );
+    assert_eq!(
+        *only_limit(default(&domain.root, "a")),
+        Limit::fixed(3, Unit::Second)
+    );
+    assert_eq!(
+        default(&domain.root, "b").policy,
+        Some(Policy::Unlimited { name: None })
+    );
+}
+
+#[test]
+fn replaces_may_target_limits_anywhere_in_the_domain() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            descriptors:
+              - key: b
+                rate_limit:
+                  unit: second
+                  requests_per_unit: 1
+                  replaces: [{name: later}, {name: free}]
+          - key: c
+            rate_limit: {unit: minute, requests_per_unit: 1, name: later}
+          - key: e
+            rate_limit: {unlimited: true, name: free}
+        ",
+    );
+    let b = default(&default(&domain.root, "a").children, "b");
+    assert_eq!(only_limit(b).replaces, ["later", "free"]);
+}
+
+// ---- errors, one per case ----
+
+#[test]
+fn empty_domain() {
+    one_error(
+        "domain: ''\ndescriptors: []\n",
+        1,
+        "config file cannot have empty domain",
+    );
+    one_error(
+        "descriptors: []\ndomain:\n",
+        2,
+        "config file cannot have empty domain",
+    );
+}
+
+#[test]
+fn missing_domain() {
+    let error = one_error("# comment\n\ndescriptors: []\n", 3, "missing key 'domain'");
+    assert!(
+        error
+            .reason
+            .contains("config file cannot have empty domain")
+    );
+}
+
+#[test]
+fn domain_must_be_a_string() {
+    one_error("domain: [a]\n", 1, "domain must be a string, found a list");
+}
+
+#[test]
+fn empty_file() {
+    one_error("", 1, "config file is empty");
+    one_error("\n# nothing here\n", 1, "config file is empty");
+    one_error("~\n", 1, "config file is empty");
+}
+
+#[test]
+fn file_that_is_not_a_mapping() {
+    one_error(
+        "- domain: d\n",
+        1,
+        "config file must be a mapping, found a list",
+    );
+    one_error(
+        "just text\n",
+        1,
+        "config file must be a mapping, found the string 'just text'",
+    );
+}
+
+#[test]
+fn descriptor_has_empty_key() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: ''
+            value: v
+        ";
+    one_error(yaml, 3, "descriptor has empty key");
+    let yaml = "
+        domain: d
+        descriptors:
+          - value: v
+        ";
+    one_error(yaml, 3, "descriptor has empty key (missing 'key')");
+}
+
+#[test]
+fn duplicate_exact_value() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            value: v
+          - key: k
+            value: v
+        ";
+    one_error(yaml, 6, "duplicate descriptor composite key 'd.k_v'");
+}
+
+#[test]
+fn duplicate_default() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unit: second, requests_per_unit: 1}
+          - key: k
+        ";
+    one_error(yaml, 5, "duplicate descriptor composite key 'd.k'");
+}
+
+#[test]
+fn duplicate_wildcard_and_nested_path() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: a
+            value: x
+            descriptors:
+              - key: p
+                value: foo*
+              - key: p
+                value: foo*
+              - key: p
+                value: foo
+        ";
+    one_error(yaml, 9, "duplicate descriptor composite key 'd.a_x.p_foo*'");
+}
+
+#[test]
+fn same_key_and_value_at_different_levels_is_fine() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: k
+            value: v
+            descriptors:
+              - key: k
+                value: v
+        ",
+    );
+    let inner = exact(&exact(&domain.root, "k", "v").children, "k", "v");
+    assert_eq!(inner.path, "d.k_v.k_v");
+}
+
+#[test]
+fn invalid_unit() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: fortnight
+              requests_per_unit: 1
+        ";
+    let error = one_error(yaml, 5, "invalid rate limit unit 'fortnight'");
+    assert!(
+        error
+            .reason
+            .contains("second, minute, hour, day, week, month, year")
+    );
+    assert_eq!(error.column, 13);
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unit: 5, requests_per_unit: 1}
+        ";
+    one_error(yaml, 4, "invalid rate limit unit '5'");
+}
+
+#[test]
+fn replaces_own_name() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              name: mine
+              unit: second
+              requests_per_unit: 1
+              replaces:
+                - name: mine
+        ";
+    one_error(
+        yaml,
+        9,
+        "replaces should not contain name of same descriptor",
+    );
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits:
+              - {name: a, unit: second, requests_per_unit: 1}
+              - {name: b, unit: second, requests_per_unit: 1, replaces: [{name: a}]}
+        ";
+    one_error(
+        yaml,
+        6,
+        "replaces should not contain name of same descriptor ('a')",
+    );
+}
+
+#[test]
+fn empty_replaces_entry() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              replaces:
+                - name: ''
+                - {}
+        ";
+    let errors = errors(yaml);
+    assert_eq!(errors.len(), 2, "{}", ConfigErrors(errors.clone()));
+    for (error, line) in errors.iter().zip([8, 9]) {
+        assert!(
+            error
+                .reason
+                .contains("should not have an empty replaces entry"),
+            "{error}"
+        );
+        assert_eq!(error.line, line, "{error}");
+    }
+}
+
+#[test]
+fn replaces_entry_must_be_a_mapping() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              replaces: [other]
+        ";
+    one_error(
+        yaml,
+        7,
+        "replaces entry must be a mapping, found the string 'other'",
+    );
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unit: second, requests_per_unit: 1, replaces: other}
+        ";
+    one_error(yaml, 4, "replaces must be a list, found the string 'other'");
+}
+
+#[test]
+fn replaces_unknown_limit_name() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              replaces:
+                - name: nowhere
+          - key: j
+            rate_limit: {unit: second, requests_per_unit: 1, name: somewhere}
+        ";
+    one_error(yaml, 8, "replaces unknown limit name 'nowhere'");
+}
+
+#[test]
+fn unknown_keys_each_at_its_own_line() {
+    let yaml = "
+        domain: d
+        domian: typo
+        descriptors:
+          - key: k
+            vaule: v
+            rate_limit:
+              unit: second
+              request_per_unit: 1
+              requests_per_unit: 1
+              replaces:
+                - name: x
+                  nmae: y
+          - key: x
+            rate_limit: {unit: second, requests_per_unit: 1, name: x, extra: 1}
+        ";
+    let errors = errors(yaml);
+    let found: Vec<_> = errors.iter().map(|e| (e.line, e.reason.as_str())).collect();
+    assert_eq!(errors.len(), 5, "{}", ConfigErrors(errors.clone()));
+    let expected = [
+        (2, "unknown key 'domian' in config file"),
+        (5, "unknown key 'vaule' in descriptor"),
+        (8, "unknown key 'request_per_unit' in rate_limit"),
+        (12, "unknown key 'nmae' in replaces entry"),
+        (14, "unknown key 'extra' in rate_limit"),
+    ];
+    for ((line, reason), (want_line, want)) in found.iter().zip(expected) {
+        assert_eq!(*line, want_line, "{reason}");
+        assert!(reason.contains(want), "{reason} does not contain {want}");
+    }
+    assert!(
+        errors[1]
+            .reason
+            .contains("valid keys: key, value, rate_limit")
+    );
+    assert_eq!(errors[1].column, 5);
+}
+
+#[test]
+fn unlimited_with_unit() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unlimited: true
+              unit: second
+        ";
+    one_error(yaml, 6, "should not specify rate limit unit when unlimited");
+}
+
+#[test]
+fn unlimited_with_other_limit_keys() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unlimited: true
+              requests_per_unit: 5
+              algorithm: gcra
+              replaces: [{name: x}]
+        ";
+    let errors = errors(yaml);
+    let lines: Vec<_> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(lines, [6, 7, 8], "{}", ConfigErrors(errors.clone()));
+    assert!(
+        errors[0]
+            .reason
+            .contains("should not specify requests_per_unit when unlimited")
+    );
+    assert!(
+        errors[1]
+            .reason
+            .contains("should not specify algorithm when unlimited")
+    );
+    assert!(
+        errors[2]
+            .reason
+            .contains("should not specify replaces when unlimited")
+    );
+}
+
+#[test]
+fn unlimited_cannot_be_combined() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits:
+              - unit: second
+                requests_per_unit: 1
+              - unlimited: true
+        ";
+    one_error(
+        yaml,
+        7,
+        "an unlimited limit cannot be combined with other limits",
+    );
+}
+
+#[test]
+fn missing_unit_and_requests_per_unit() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              requests_per_unit: 1
+        ";
+    one_error(yaml, 4, "rate_limit is missing 'unit'");
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+        ";
+    one_error(yaml, 4, "rate_limit is missing 'requests_per_unit'");
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits:
+              - unit: second
+              - requests_per_unit: 1
+        ";
+    let errors = errors(yaml);
+    assert_eq!(errors.len(), 2);
+    assert_eq!((errors[0].line, errors[1].line), (5, 6));
+    assert!(
+        errors[0]
+            .reason
+            .contains("rate_limits entry is missing 'requests_per_unit'")
+    );
+    assert!(
+        errors[1]
+            .reason
+            .contains("rate_limits entry is missing 'unit'")
+    );
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {}
+        ";
+    assert_eq!(self::errors(yaml).len(), 2);
+}
+
+#[test]
+fn invalid_algorithm() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              algorithm: leaky_bucket
+        ";
+    let error = one_error(yaml, 7, "invalid algorithm 'leaky_bucket'");
+    assert!(
+        error.reason.contains(
+            "fixed_window, sliding_window_log, sliding_window_counter, token_bucket, gcra"
+        ),
+        "{error}"
+    );
+}
+
+#[test]
+fn burst_on_an_algorithm_without_burst() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              burst: 3
+        ";
+    one_error(
+        yaml,
+        7,
+        "burst is only for token_bucket and gcra, not fixed_window",
+    );
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              algorithm: sliding_window_log
+              burst: 3
+              requests_per_unit: 1
+        ";
+    one_error(yaml, 7, "not sliding_window_log");
+}
+
+#[test]
+fn burst_zero() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              algorithm: token_bucket
+              burst: 0
+        ";
+    one_error(
+        yaml,
+        8,
+        "burst must be an integer from 1 to 4294967295, found 0",
+    );
+}
+
+#[test]
+fn unit_multiplier_zero() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: minute
+              unit_multiplier: 0
+              requests_per_unit: 1
+        ";
+    one_error(
+        yaml,
+        6,
+        "unit_multiplier must be an integer from 1 to 4294967295, found 0",
+    );
+}
+
+#[test]
+fn rate_limit_and_rate_limits_together() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unit: second, requests_per_unit: 1}
+            rate_limits:
+              - {unit: minute, requests_per_unit: 10}
+        ";
+    one_error(yaml, 5, "rate_limit and rate_limits cannot both be given");
+}
+
+#[test]
+fn empty_rate_limits() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits: []
+        ";
+    one_error(yaml, 4, "rate_limits must not be an empty list");
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits: {unit: second}
+        ";
+    one_error(yaml, 4, "rate_limits must be a list, found a mapping");
+}
+
+#[test]
+fn wrong_types() {
+    one_error(
+        "domain: d\ndescriptors: {key: a}\n",
+        2,
+        "descriptors must be a list, found a mapping",
+    );
+    one_error(
+        "domain: d\ndescriptors: nope\n",
+        2,
+        "descriptors must be a list, found the string 'nope'",
+    );
+    one_error(
+        "domain: d\ndescriptors: [a]\n",
+        2,
+        "descriptor must be a mapping, found the string 'a'",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: [a]\n",
+        3,
+        "key must be a string, found a list",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    value: {b: c}\n",
+        4,
+        "value must be a string, found a mapping",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: 5\n",
+        4,
+        "rate_limit must be a mapping, found 5",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [5]\n",
+        4,
+        "rate_limits entry must be a mapping, found 5",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    shadow_mode: \"yes\"\n",
+        4,
+        "shadow_mode must be true or false, found the string 'yes'",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    detailed_metric: 1\n",
+        4,
+        "detailed_metric must be true or false, found 1",
+    );
+    one_error(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: 'true'}\n",
+        4,
+        "unlimited must be true or false, found the string 'true'",
+    );
+}
+
+#[test]
+fn requests_per_unit_must_be_a_u32() {
+    for (value, found) in [
+        ("-1", "found -1"),
+        ("1.5", "found 1.5"),
+        ("'5'", "found the string '5'"),
+        ("4294967296", "found 4294967296"),
+        ("[1]", "found a list"),
+        ("true", "found true"),
+    ] {
+        let yaml = format!(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: {value}\n"
+        );
+        let errors = load_str("test.yaml", &yaml).unwrap_err();
+        assert_eq!(errors.len(), 1, "{}", ConfigErrors(errors.clone()));
+        let reason = &errors[0].reason;
+        assert!(
+            reason.contains("requests_per_unit must be an integer from 0 to 4294967295")
+                && reason.contains(found),
+            "{reason}"
+        );
+        assert_eq!((errors[0].line, errors[0].column), (6, 26));
+    }
+}
+
+#[test]
+fn yaml_syntax_error() {
+    let error = one_error("domain: d\ndescriptors: [\n  - key: a\n", 3, "invalid YAML");
+    assert!(error.column > 0);
+    let error = one_error(
+        "domain: d\ndomain: e\n",
+        2,
+        "invalid YAML: duplicate mapping key",
+    );
+    assert!(!error.reason.contains("line 2"), "{error}");
+    one_error("domain: d\n  x: y\n", 2, "invalid YAML");
+}
+
+#[test]
+fn keys_must_be_strings() {
+    one_error(
+        "domain: d\n[a]: b\n",
+        2,
+        "keys in config file must be strings, found a list",
+    );
+}
+
+#[test]
+fn all_errors_of_a_file_at_once() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit:
+              unit: fortnight
+              requests_per_unit: -1
+              algorithm: magic
+          - key: a
+          - key: a
+          - value: x
+          - key: b
+            shadow_mode: maybe
+            descriptors:
+              - key: c
+                rate_limit:
+                  unlimited: true
+                  unit: second
+                  name: c
+                  replaces: [{name: c}]
+              - key: d
+                typo: 1
+                rate_limits: []
+        ";
+    let errors = errors(yaml);
+    let lines: Vec<_> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(
+        lines,
+        [5, 6, 7, 8, 9, 10, 12, 17, 19, 21, 22],
+        "{}",
+        ConfigErrors(errors.clone())
+    );
+    let expected = [
+        "invalid rate limit unit 'fortnight'",
+        "requests_per_unit must be an integer",
+        "invalid algorithm 'magic'",
+        "duplicate descriptor composite key 'd.a'",
+        "duplicate descriptor composite key 'd.a'",
+        "descriptor has empty key",
+        "shadow_mode must be true or false",
+        "should not specify rate limit unit when unlimited",
+        "should not specify replaces when unlimited",
+        "unknown key 'typo' in descriptor",
+        "rate_limits must not be an empty list",
+    ];
+    for (error, want) in errors.iter().zip(expected) {
+        assert!(
+            error.reason.contains(want),
+            "{error} does not contain {want}"
+        );
+    }
+}
+
+#[test]
+fn error_display() {
+    let error = ConfigError {
+        file: "a.yaml".to_owned(),
+        line: 3,
+        column: 5,
+        reason: "descriptor has empty key".to_owned(),
+    };
+    assert_eq!(error.to_string(), "a.yaml:3:5: descriptor has empty key");
+    let both = ConfigErrors(vec![error.clone(), ConfigError { line: 4, ..error }]);
+    assert_eq!(
+        both.to_string(),
+        "a.yaml:3:5: descriptor has empty key\na.yaml:4:5: descriptor has empty key"
+    );
+}
+
+// ---- files and directories ----
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+}
+
+fn load_dir_errors(path: &Path) -> Vec<ConfigError> {
+    match load_path(path) {
+        Ok(config) => panic!("expected errors, loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    }
+}
+
+#[test]
+fn single_file_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.txt");
+    write(&file, "domain: one\n");
+    let config = load_path(&file).unwrap();
+    assert_eq!(config.domains.len(), 1);
+    assert_eq!(config.domains["one"].source, file.display().to_string());
+}
+
+#[test]
+fn directory_with_two_domains_ignores_other_files() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("a.yaml"),
+        "domain: a\ndescriptors: [{key: k}]\n",
+    );
+    write(&dir.path().join("b.yml"), "domain: b\n");
+    write(&dir.path().join("README.md"), "not: [yaml\n");
+    write(&dir.path().join("c.yaml.bak"), "domain: a\n");
+    write(&dir.path().join(".hidden.yaml"), "domain: a\n");
+    std::fs::create_dir(dir.path().join("sub.yaml")).unwrap();
+    write(&dir.path().join("sub.yaml").join("x.yaml"), "domain: a\n");
+    let config = load_path(dir.path()).unwrap();
+    let mut names: Vec<_> = config.domains.keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(
+        config.domains["a"].source,
+        dir.path().join("a.yaml").display().to_string()
+    );
+    assert_eq!(config.domains["a"].root.keys.len(), 1);
+}
+
+#[cfg(unix)]
+#[test]
+fn kubernetes_configmap_layout() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("..2026_12_02_x");
+    std::fs::create_dir(&real).unwrap();
+    write(&real.join("a.yaml"), "domain: a\n");
+    write(&real.join("b.yaml"), "domain: b\n");
+    symlink("..2026_12_02_x", dir.path().join("..data")).unwrap();
+    symlink("..data/a.yaml", dir.path().join("a.yaml")).unwrap();
+    symlink("..data/b.yaml", dir.path().join("b.yaml")).unwrap();
+    let config = load_path(dir.path()).unwrap();
+    let mut names: Vec<_> = config.domains.keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["a", "b"]);
+}
+
+#[test]
+fn duplicate_domain_across_files() {
+    let dir = tempfile::tempdir().unwrap();
+    write(&dir.path().join("a.yaml"), "domain: same\n");
+    write(&dir.path().join("b.yaml"), "# second\n\ndomain: same\n");
+    let errors = load_dir_errors(dir.path());
+    assert_eq!(errors.len(), 1, "{}", ConfigErrors(errors.clone()));
+    let error = &errors[0];
+    assert!(
+        error
+            .reason
+            .contains("duplicate domain 'same' in config file"),
+        "{error}"
+    );
+    assert!(
+        error.reason.contains("a.yaml"),
+        "names the first file: {error}"
+    );
+    assert_eq!(error.file, dir.path().join("b.yaml").display().to_string());
+    assert_eq!(error.line, 3);
+}
+
+#[test]
+fn errors_of_every_file_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("a.yaml"),
+        "domain: a\ndescriptors: [{key: ''}]\n",
+    );
+    write(&dir.path().join("b.yaml"), "domain: b\n");
+    write(&dir.path().join("c.yaml"), "domain: a\nbogus: 1\n");
+    write(&dir.path().join("d.yaml"), "domain: [\n");
+    let errors = load_dir_errors(dir.path());
+    let summary: Vec<_> = errors
+        .iter()
+        .map(|e| {
+            let file = Path::new(&e.file)
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            (file, e.line)
+        })
+        .collect();
+    let expect = |file: &str, line| (file.to_owned(), line);
+    assert_eq!(
+        summary,
+        [
+            expect("a.yaml", 2),
+            expect("c.yaml", 1),
+            expect("c.yaml", 2),
+            expect("d.yaml", 1)
+        ],
+        "{}",
+        ConfigErrors(errors.clone())
+    );
+    assert!(errors[1].reason.contains("duplicate domain 'a'"));
+}
+
+#[test]
+fn unreadable_path_is_line_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.yaml");
+    let errors = load_dir_errors(&missing);
+    assert_eq!(errors.len(), 1);
+    assert_eq!((errors[0].line, errors[0].column), (0, 0));
+    assert_eq!(errors[0].file, missing.display().to_string());
+    assert!(errors[0].reason.contains("cannot read"), "{}", errors[0]);
+}
+
+#[test]
+fn non_utf8_file_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.yaml"), b"domain: \xff\n").unwrap();
+    let errors = load_dir_errors(dir.path());
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].line, 0);
+}
+
+#[cfg(unix)]
+#[test]
+fn broken_symlink_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink("nowhere.yaml", dir.path().join("a.yaml")).unwrap();
+    let errors = load_dir_errors(dir.path());
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].reason.contains("cannot read"), "{}", errors[0]);
+}
+
+#[test]
+fn empty_directory_is_an_empty_config() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(load_path(dir.path()).unwrap().domains.is_empty());
+}
+
+// ---- wildcards ----
+
+#[test]
+fn wildcard_matches() {
+    let table: &[(&str, &str, bool)] = &[
+        // prefix
+        ("foo*", "foo", true),
+        ("foo*", "foobar", true),
+        ("foo*", "fo", false),
+        ("foo*", "xfoo", false),
+        ("foo*", "", false),
+        // suffix
+        ("*bar", "bar", true),
+        ("*bar", "foobar", true),
+        ("*bar", "barx", false),
+        // middle
+        ("bar*b", "barb", true),
+        ("bar*b", "bar-xyz-b", true),
+        ("bar*b", "bar", false),
+        ("bar*b", "barbx", false),
+        ("a*a", "a", false),
+        ("a*a", "aa", true),
+        // several stars
+        ("foo*bar*baz", "foobarbaz", true),
+        ("foo*bar*baz", "foo1bar2baz", true),
+        ("foo*bar*baz", "foobazbar", false),
+        ("foo*bar*baz", "foo1bar2baz3", false),
+        ("a*b*b", "ab", false),
+        ("a*b*b", "abb", true),
+        ("a**b", "ab", true),
+        ("*a*", "xay", true),
+        ("*a*", "xy", false),
+        // star alone
+        ("*", "anything", true),
+        ("*", "", true),
+        ("**", "", true),
+        // empty value
+        ("x*", "", false),
+        ("*x", "", false),
+    ];
+    for &(pattern, value, want) in table {
+        let wildcard = Wildcard::new(pattern).unwrap();
+        assert_eq!(wildcard.matches(value), want, "{pattern:?} vs {value:?}");
+        assert_eq!(wildcard.pattern, pattern);
+    }
+    assert_eq!(Wildcard::new("plain"), None);
+    assert_eq!(Wildcard::new(""), None);
+}

@@ -1,0 +1,199 @@
+//! From a request's descriptors to store checks: matching, `replaces`, hits and keys.
+//!
+//! Pure functions, no I/O: the service feeds in domain types and gets back a [`Plan`].
+
+pub mod key;
+pub mod matcher;
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::ops::Range;
+
+use crate::algorithm::{Hits, Params};
+use crate::config::{Config, Policy};
+use crate::limit::{Limit, Unit};
+use crate::store::Check;
+
+/// A limit Envoy sent with a descriptor (`RateLimitOverride`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitOverride {
+    /// Requests per unit.
+    pub requests_per_unit: u32,
+    /// The unit.
+    pub unit: Unit,
+}
+
+/// One request descriptor, validated: entries have non-empty keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    /// `(key, value)` entries in order.
+    pub entries: Vec<(String, String)>,
+    /// Envoy's per-descriptor limit, which replaces the configured one.
+    pub limit_override: Option<LimitOverride>,
+    /// The descriptor's own `hits_addend`; `Some(0)` is a pure check.
+    pub hits_addend: Option<u64>,
+    /// `is_negative_hits`: the hits are given back.
+    pub refund: bool,
+}
+
+/// One validated `ShouldRateLimit` request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Request {
+    /// The config domain (non-empty).
+    pub domain: String,
+    /// Descriptors (at least one).
+    pub descriptors: Vec<Descriptor>,
+    /// The request's `hits_addend`; 0 means 1.
+    pub hits_addend: u32,
+}
+
+/// How checks are keyed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeySettings {
+    /// First key component, so several deployments can share one Redis.
+    pub prefix: String,
+}
+
+impl Default for KeySettings {
+    fn default() -> Self {
+        KeySettings {
+            prefix: "rlsd".to_owned(),
+        }
+    }
+}
+
+/// A limit that decides a descriptor, borrowed from the config or built from an override.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedLimit<'c> {
+    /// The limit (reported as `current_limit`).
+    pub limit: Cow<'c, Limit>,
+    /// Descriptor path for metrics (`domain.key_value...`), or `None` for an override.
+    pub path: Option<&'c str>,
+}
+
+/// What decides one request descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// No limit applies (unknown domain or descriptor, whitelist node, all limits replaced).
+    NoLimit,
+    /// `unlimited: true`.
+    Unlimited,
+    /// These checks of [`Plan::checks`] decide it.
+    Checks(Range<usize>),
+}
+
+/// Everything a request needs from the store, and how to report each descriptor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan<'c> {
+    /// Store checks, in descriptor order.
+    pub checks: Vec<Check>,
+    /// The limit behind each check, same order and length as `checks`.
+    pub limits: Vec<PlannedLimit<'c>>,
+    /// One decision per request descriptor, in request order.
+    pub decisions: Vec<Decision>,
+}
+
+/// Matches every descriptor of `request` against `config` and lists the checks to run.
+pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Plan<'c> {
+    let mut plan = Plan {
+        checks: Vec::new(),
+        limits: Vec::new(),
+        decisions: Vec::with_capacity(request.descriptors.len()),
+    };
+    let Some(domain) = config.domains.get(&request.domain) else {
+        plan.decisions = vec![Decision::NoLimit; request.descriptors.len()];
+        return plan;
+    };
+
+    let matched: Vec<Matched<'c>> = request
+        .descriptors
+        .iter()
+        .map(|descriptor| match descriptor.limit_override {
+            Some(o) => Matched::Limits(vec![PlannedLimit {
+                limit: Cow::Owned(Limit::fixed(o.requests_per_unit, o.unit)),
+                path: None,
+            }]),
+            None => match matcher::find(&domain.root, &descriptor.entries) {
+                Some(node) => match &node.policy {
+                    None => Matched::Nothing,
+                    Some(Policy::Unlimited { name }) => Matched::Unlimited(name.as_deref()),
+                    Some(Policy::Limits(limits)) => Matched::Limits(
+                        limits
+                            .iter()
+                            .map(|limit| PlannedLimit {
+                                limit: Cow::Borrowed(limit),
+                                path: Some(node.path.as_str()),
+                            })
+                            .collect(),
+                    ),
+                },
+                None => Matched::Nothing,
+            },
+        })
+        .collect();
+
+    let replaced: HashSet<&str> = matched
+        .iter()
+        .flat_map(|m| match m {
+            Matched::Limits(limits) => limits.as_slice(),
+            _ => &[],
+        })
+        .flat_map(|planned| match &planned.limit {
+            Cow::Borrowed(limit) => limit.replaces.iter().map(String::as_str).collect(),
+            Cow::Owned(_) => Vec::new(),
+        })
+        .collect();
+    let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(name));
+
+    for (descriptor, matched) in request.descriptors.iter().zip(matched) {
+        let decision = match matched {
+            Matched::Nothing => Decision::NoLimit,
+            Matched::Unlimited(name) if is_replaced(name) => Decision::NoLimit,
+            Matched::Unlimited(_) => Decision::Unlimited,
+            Matched::Limits(limits) => {
+                let start = plan.checks.len();
+                let hits = hits_of(descriptor, request.hits_addend);
+                for planned in limits {
+                    if is_replaced(planned.limit.name.as_deref()) {
+                        continue;
+                    }
+                    plan.checks.push(Check {
+                        key: key::encode(keys, "_", &request.domain, &planned.limit, &descriptor.entries),
+                        params: Params::of(&planned.limit),
+                        hits,
+                        shadow: planned.limit.shadow,
+                    });
+                    plan.limits.push(planned);
+                }
+                if plan.checks.len() == start {
+                    Decision::NoLimit
+                } else {
+                    Decision::Checks(start..plan.checks.len())
+                }
+            }
+        };
+        plan.decisions.push(decision);
+    }
+    plan
+}
+
+enum Matched<'c> {
+    Nothing,
+    Unlimited(Option<&'c str>),
+    Limits(Vec<PlannedLimit<'c>>),
+}
+
+/// The descriptor's `hits_addend` wins over the request's; a request's 0 means 1.
+fn hits_of(descriptor: &Descriptor, request_hits: u32) -> Hits {
+    let hits = descriptor
+        .hits_addend
+        .unwrap_or_else(|| u64::from(request_hits.max(1)));
+    match (descriptor.refund, hits) {
+        (true, n) => Hits::Refund(n),
+        (false, 0) => Hits::Peek,
+        (false, n) => Hits::Take(n),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,325 @@
+//! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use tonic::{Request, Response, Status};
+
+use crate::algorithm::Verdict;
+use crate::config::Config;
+use crate::engine::{self, Decision, Descriptor, KeySettings, LimitOverride, Plan};
+use crate::limit::{MICROS_PER_SECOND, Unit};
+use crate::pb;
+use crate::pb::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit};
+use crate::store::{Outcome, Store, StoreError};
+
+/// Which rate limit headers rlsd adds to responses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum HeaderStyle {
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`, and `Retry-After`.
+    #[default]
+    XRatelimit,
+    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (envoyproxy/ratelimit's names),
+    /// and `Retry-After`.
+    Ratelimit,
+    /// None: for when Envoy's own `enable_x_ratelimit_headers` is on, so headers never repeat.
+    Off,
+}
+
+impl HeaderStyle {
+    fn names(self) -> Option<[&'static str; 3]> {
+        match self {
+            HeaderStyle::XRatelimit => Some(["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]),
+            HeaderStyle::Ratelimit => Some(["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"]),
+            HeaderStyle::Off => None,
+        }
+    }
+}
+
+/// How the service answers, apart from the config and the store.
+#[derive(Clone, Debug, Default)]
+pub struct ServiceSettings {
+    /// Store key layout.
+    pub keys: KeySettings,
+    /// Response headers.
+    pub headers: HeaderStyle,
+}
+
+/// The rate limit service over a store `S`.
+pub struct RateLimiter<S> {
+    config: Arc<ArcSwap<Config>>,
+    store: Arc<S>,
+    settings: ServiceSettings,
+}
+
+impl<S: Store> RateLimiter<S> {
+    /// A service answering from the current value of `config`.
+    pub fn new(config: Arc<ArcSwap<Config>>, store: Arc<S>, settings: ServiceSettings) -> Self {
+        RateLimiter {
+            config,
+            store,
+            settings,
+        }
+    }
+
+    /// Answers one request: validate, match, decide, assemble.
+    pub async fn decide(&self, request: pb::RateLimitRequest) -> Result<pb::RateLimitResponse, Status> {
+        let request = validate(request)?;
+        // One snapshot for the whole request, however the config changes meanwhile.
+        let config = self.config.load();
+        let plan = engine::plan(&config, &request, &self.settings.keys);
+        let outcomes = if plan.checks.is_empty() {
+            Vec::new()
+        } else {
+            self.store.decide(&plan.checks).await.map_err(store_error)?
+        };
+        Ok(assemble(&plan, &outcomes, self.settings.headers))
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Store> pb::RateLimitService for RateLimiter<S> {
+    async fn should_rate_limit(
+        &self,
+        request: Request<pb::RateLimitRequest>,
+    ) -> Result<Response<pb::RateLimitResponse>, Status> {
+        self.decide(request.into_inner()).await.map(Response::new)
+    }
+}
+
+/// The one place store failures become gRPC statuses. UNAVAILABLE lets Envoy's
+/// `failure_mode_deny` decide.
+fn store_error(error: StoreError) -> Status {
+    tracing::debug!(%error, "store failed");
+    match error {
+        StoreError::Full { .. } => Status::unavailable(error.to_string()),
+    }
+}
+
+/// Turns the wire request into the engine's, rejecting what Envoy would never send.
+fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
+    if request.domain.is_empty() {
+        return Err(Status::invalid_argument("rate limit domain must not be empty"));
+    }
+    if request.descriptors.is_empty() {
+        return Err(Status::invalid_argument("rate limit descriptor list must not be empty"));
+    }
+    let descriptors = request
+        .descriptors
+        .into_iter()
+        .enumerate()
+        .map(|(index, descriptor)| validate_descriptor(index, descriptor))
+        .collect::<Result<_, _>>()?;
+    Ok(engine::Request {
+        domain: request.domain,
+        descriptors,
+        hits_addend: request.hits_addend,
+    })
+}
+
+fn validate_descriptor(index: usize, descriptor: pb::RateLimitDescriptor) -> Result<Descriptor, Status> {
+    if descriptor.entries.is_empty() {
+        return Err(Status::invalid_argument(format!("descriptor {index} has no entries")));
+    }
+    let entries = descriptor
+        .entries
+        .into_iter()
+        .enumerate()
+        .map(|(position, entry)| {
+            if entry.key.is_empty() {
+                Err(Status::invalid_argument(format!(
+                    "descriptor {index} entry {position} has an empty key"
+                )))
+            } else {
+                Ok((entry.key, entry.value))
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let limit_override = descriptor
+        .limit
+        .map(|limit| {
+            let unit = override_unit(limit.unit).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "descriptor {index} limit override has unit {}: expected SECOND, MINUTE, HOUR, DAY, MONTH or YEAR",
+                    pb::RateLimitUnit::try_from(limit.unit).map_or("out of range", |unit| unit.as_str_name())
+                ))
+            })?;
+            Ok::<_, Status>(LimitOverride {
+                requests_per_unit: limit.requests_per_unit,
+                unit,
+            })
+        })
+        .transpose()?;
+    Ok(Descriptor {
+        entries,
+        limit_override,
+        hits_addend: descriptor.hits_addend,
+        refund: descriptor.is_negative_hits,
+    })
+}
+
+fn override_unit(unit: i32) -> Option<Unit> {
+    match pb::RateLimitUnit::try_from(unit).ok()? {
+        pb::RateLimitUnit::Unknown => None,
+        pb::RateLimitUnit::Second => Some(Unit::Second),
+        pb::RateLimitUnit::Minute => Some(Unit::Minute),
+        pb::RateLimitUnit::Hour => Some(Unit::Hour),
+        pb::RateLimitUnit::Day => Some(Unit::Day),
+        pb::RateLimitUnit::Month => Some(Unit::Month),
+        pb::RateLimitUnit::Year => Some(Unit::Year),
+    }
+}
+
+fn wire_unit(unit: Unit) -> WireUnit {
+    match unit {
+        Unit::Second => WireUnit::Second,
+        Unit::Minute => WireUnit::Minute,
+        Unit::Hour => WireUnit::Hour,
+        Unit::Day => WireUnit::Day,
+        Unit::Week => WireUnit::Week,
+        Unit::Month => WireUnit::Month,
+        Unit::Year => WireUnit::Year,
+    }
+}
+
+/// A descriptor status with the limit that decided it, kept for the headers.
+struct Reported {
+    status: DescriptorStatus,
+    reset_us: u64,
+    window_seconds: u64,
+}
+
+/// Builds the wire response from the plan and the store's outcomes.
+fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::RateLimitResponse {
+    let reported: Vec<Option<Reported>> = plan
+        .decisions
+        .iter()
+        .map(|decision| match decision {
+            Decision::Checks(range) => Some(report(plan, outcomes, range.clone())),
+            Decision::NoLimit | Decision::Unlimited => None,
+        })
+        .collect();
+    let statuses: Vec<DescriptorStatus> = plan
+        .decisions
+        .iter()
+        .zip(&reported)
+        .map(|(decision, reported)| match (decision, reported) {
+            (_, Some(reported)) => reported.status.clone(),
+            (Decision::Unlimited, None) => DescriptorStatus {
+                code: Code::Ok.into(),
+                limit_remaining: u32::MAX,
+                ..Default::default()
+            },
+            _ => DescriptorStatus {
+                code: Code::Ok.into(),
+                ..Default::default()
+            },
+        })
+        .collect();
+    let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
+    let limited: Vec<&Reported> = reported.iter().flatten().collect();
+    pb::RateLimitResponse {
+        overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+        statuses,
+        response_headers_to_add: rate_limit_headers(&limited, over, headers),
+        ..Default::default()
+    }
+}
+
+/// Reports the most restrictive of a descriptor's limits: a denying one (the longest wait),
+/// else the one with the least remaining.
+fn report(plan: &Plan<'_>, outcomes: &[Outcome], range: std::ops::Range<usize>) -> Reported {
+    let enforced_denial = |i: usize| !outcomes[i].verdict.allowed && !plan.checks[i].shadow;
+    let reported = |i: usize| reported_verdict(&outcomes[i].verdict, plan.checks[i].shadow);
+    let chosen = range
+        .clone()
+        .filter(|&i| enforced_denial(i))
+        .max_by_key(|&i| outcomes[i].verdict.reset_us)
+        .or_else(|| range.clone().min_by_key(|&i| reported(i).remaining))
+        .unwrap_or(range.start);
+    let limit = &plan.limits[chosen].limit;
+    let verdict = reported(chosen);
+    let denied = enforced_denial(chosen);
+    Reported {
+        status: DescriptorStatus {
+            code: if denied { Code::OverLimit } else { Code::Ok }.into(),
+            current_limit: Some(RateLimit {
+                name: limit.name.clone().unwrap_or_default(),
+                requests_per_unit: limit.requests_per_unit,
+                unit: wire_unit(limit.period.unit).into(),
+            }),
+            limit_remaining: u32::try_from(verdict.remaining).unwrap_or(u32::MAX),
+            duration_until_reset: Some(duration(verdict.reset_us)),
+            quota: None,
+        },
+        reset_us: verdict.reset_us,
+        window_seconds: limit.period.seconds(),
+    }
+}
+
+/// A shadow limit that is over reports remaining 0, like envoyproxy/ratelimit.
+fn reported_verdict(verdict: &Verdict, shadow: bool) -> Verdict {
+    if verdict.allowed || !shadow {
+        *verdict
+    } else {
+        Verdict {
+            remaining: 0,
+            ..*verdict
+        }
+    }
+}
+
+fn duration(us: u64) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(us / MICROS_PER_SECOND).unwrap_or(i64::MAX),
+        nanos: ((us % MICROS_PER_SECOND) * 1_000) as i32,
+    }
+}
+
+fn whole_seconds_up(us: u64) -> u64 {
+    us.div_ceil(MICROS_PER_SECOND)
+}
+
+/// Rate limit headers from the status closest to its limit (Envoy's own rule); `Retry-After`
+/// from the longest wait among denials.
+fn rate_limit_headers(limited: &[&Reported], over: bool, style: HeaderStyle) -> Vec<pb::HeaderValue> {
+    let (Some([limit_name, remaining_name, reset_name]), Some(closest)) = (
+        style.names(),
+        limited
+            .iter()
+            .min_by_key(|r| (r.status.limit_remaining, std::cmp::Reverse(r.reset_us))),
+    ) else {
+        return Vec::new();
+    };
+    let header = |key: &str, value: String| pb::HeaderValue {
+        key: key.to_owned(),
+        value,
+        raw_value: Vec::new(),
+    };
+    let policies: Vec<String> = limited
+        .iter()
+        .filter_map(|r| {
+            let limit = r.status.current_limit.as_ref()?;
+            let name = (!limit.name.is_empty())
+                .then(|| format!(";name=\"{}\"", limit.name))
+                .unwrap_or_default();
+            Some(format!("{};w={}{name}", limit.requests_per_unit, r.window_seconds))
+        })
+        .collect();
+    let closest_limit = closest.status.current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
+    let mut headers = vec![
+        header(limit_name, format!("{closest_limit}, {}", policies.join(", "))),
+        header(remaining_name, closest.status.limit_remaining.to_string()),
+        header(reset_name, whole_seconds_up(closest.reset_us).to_string()),
+    ];
+    if over {
+        let wait = limited
+            .iter()
+            .filter(|r| r.status.code == i32::from(Code::OverLimit))
+            .map(|r| r.reset_us)
+            .max()
+            .unwrap_or(0);
+        headers.push(header("retry-after", whole_seconds_up(wait).max(1).to_string()));
+    }
+    headers
+}

@@ -1,0 +1,114 @@
+//! Starts a real rlsd server on loopback ports for integration tests.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rlsd::clock::ManualClock;
+use rlsd::config;
+use rlsd::engine::KeySettings;
+use rlsd::pb::{
+    RateLimitRequest, RateLimitServiceClient, rate_limit_descriptor::Entry,
+    RateLimitDescriptor,
+};
+use rlsd::server::{self, Listeners};
+use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
+use rlsd::store::MemoryStore;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+/// Start of a minute, so fixed windows in tests start fresh: 2026-12-02 15:00:00 UTC.
+pub const T0: u64 = 1_796_223_600_000_000;
+
+/// A running server and the handles a test drives it with.
+pub struct TestServer {
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub clock: ManualClock,
+    pub store: Arc<MemoryStore<ManualClock>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TestServer {
+    /// Serves one config file's text with the default settings.
+    pub async fn start(yaml: &str) -> TestServer {
+        TestServer::start_with(yaml, HeaderStyle::XRatelimit, 10_000).await
+    }
+
+    /// Serves `yaml` with the given header style and key cap.
+    pub async fn start_with(yaml: &str, headers: HeaderStyle, max_keys: usize) -> TestServer {
+        let domain = config::load_str("test.yaml", yaml).expect("test config is valid");
+        let mut loaded = config::Config::default();
+        loaded.domains.insert(domain.name.clone(), domain);
+        let config = Arc::new(ArcSwap::from_pointee(loaded));
+        let clock = ManualClock::at(T0);
+        let store = Arc::new(MemoryStore::with_clock(max_keys, clock.clone()));
+        let settings = ServiceSettings {
+            keys: KeySettings::default(),
+            headers,
+        };
+        let limiter = RateLimiter::new(Arc::clone(&config), Arc::clone(&store), settings);
+        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("address");
+        let listeners = Listeners::bind(loopback, loopback).await.expect("bind");
+        let grpc = listeners.grpc.local_addr().expect("grpc addr");
+        let http = listeners.http.local_addr().expect("http addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            server::run(limiter, config, listeners, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("server runs");
+        });
+        TestServer {
+            grpc,
+            http,
+            clock,
+            store,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// A client of our own generated types.
+    pub async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("connect")
+    }
+
+    /// Stops the server and waits for it to finish.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("server task");
+        }
+    }
+}
+
+/// A descriptor from `(key, value)` pairs.
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A request for `domain` with `descriptors`.
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
