@@ -1,0 +1,184 @@
+//! Matching and planning, table-driven over one config.
+
+use super::*;
+use crate::config::{Config, load_str};
+use crate::limit::Algorithm;
+
+const TREE: &str = r#"
+domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 1, name: default-k}
+  - key: k
+    value: exact
+    rate_limit: {unit: second, requests_per_unit: 2}
+  - key: k
+    value: pre*
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: k
+    value: "*fix"
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: k
+    value: a*b*c
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: parent
+    value: p
+    descriptors:
+      - key: child
+        rate_limit: {unit: minute, requests_per_unit: 6}
+      - key: child
+        value: special
+        descriptors:
+          - key: grandchild
+            rate_limit: {unit: hour, requests_per_unit: 7}
+  - key: parent
+    descriptors:
+      - key: child
+        rate_limit: {unit: minute, requests_per_unit: 8}
+  - key: white
+    value: listed
+  - key: multi
+    rate_limits:
+      - {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}
+      - {unit: hour, requests_per_unit: 1000, algorithm: sliding_window_counter}
+"#;
+
+fn config() -> Config {
+    let domain = load_str("tree.yaml", TREE).expect("valid tree");
+    let mut config = Config::default();
+    config.domains.insert(domain.name.clone(), domain);
+    config
+}
+
+fn entries(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+/// The requests_per_unit of each limit a descriptor lands on; empty for no limit.
+fn limits_for(config: &Config, pairs: &[(&str, &str)]) -> Vec<u32> {
+    let root = &config.domains["d"].root;
+    match matcher::find(root, &entries(pairs)).and_then(|node| node.policy.as_ref()) {
+        Some(Policy::Limits(limits)) => limits.iter().map(|l| l.requests_per_unit).collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[test]
+fn matching_follows_exact_then_wildcards_then_default_and_the_last_entry_rule() {
+    let config = config();
+    let table: &[(&[(&str, &str)], &[u32])] = &[
+        (&[("k", "exact")], &[2]),
+        (&[("k", "prefix")], &[3]),
+        (&[("k", "pre")], &[3]),
+        (&[("k", "suffix")], &[4]),
+        (&[("k", "fix")], &[4]),
+        (&[("k", "a--b--c")], &[5]),
+        (&[("k", "abc")], &[5]),
+        (&[("k", "a--c--b")], &[1]),
+        (&[("k", "anything")], &[1]),
+        (&[("k", "")], &[1]),
+        (&[("nokey", "x")], &[]),
+        // Last-entry rule: the parent has no limit of its own.
+        (&[("parent", "p")], &[]),
+        (&[("parent", "p"), ("child", "c")], &[6]),
+        (&[("parent", "other"), ("child", "c")], &[8]),
+        (&[("parent", "p"), ("child", "special")], &[]),
+        (&[("parent", "p"), ("child", "special"), ("grandchild", "g")], &[7]),
+        // Deeper than the tree.
+        (&[("parent", "p"), ("child", "c"), ("extra", "e")], &[]),
+        (&[("k", "exact"), ("extra", "e")], &[]),
+        // Exact match at a level wins even if it leads nowhere; no fallback to the default.
+        (&[("parent", "p"), ("nochild", "c")], &[]),
+        (&[("white", "listed")], &[]),
+        (&[("multi", "m")], &[10, 1000]),
+    ];
+    for (request, expected) in table {
+        assert_eq!(limits_for(&config, request), *expected, "{request:?}");
+    }
+}
+
+fn plan_one(config: &Config, descriptor: Descriptor, request_hits: u32) -> Plan<'_> {
+    let request = Request {
+        domain: "d".to_owned(),
+        descriptors: vec![descriptor],
+        hits_addend: request_hits,
+    };
+    plan(config, &request, &KeySettings::default())
+}
+
+#[test]
+fn several_limits_on_one_descriptor_become_several_checks() {
+    let config = config();
+    let descriptor = Descriptor {
+        entries: entries(&[("multi", "m")]),
+        ..Default::default()
+    };
+    let plan = plan_one(&config, descriptor, 0);
+    assert_eq!(plan.decisions, [Decision::Checks(0..2)]);
+    let algorithms: Vec<_> = plan.checks.iter().map(|c| c.params.algorithm).collect();
+    assert_eq!(algorithms, [Algorithm::TokenBucket, Algorithm::SlidingWindowCounter]);
+    assert_eq!(plan.checks[0].params.burst, 20);
+    assert_ne!(plan.checks[0].key, plan.checks[1].key);
+}
+
+#[test]
+fn hits_come_from_the_descriptor_then_the_request_then_one() {
+    let config = config();
+    let with = |hits_addend, refund, request_hits| {
+        let descriptor = Descriptor {
+            entries: entries(&[("k", "exact")]),
+            hits_addend,
+            refund,
+            ..Default::default()
+        };
+        plan_one(&config, descriptor, request_hits).checks[0].hits
+    };
+    assert_eq!(with(None, false, 0), Hits::Take(1));
+    assert_eq!(with(None, false, 4), Hits::Take(4));
+    assert_eq!(with(Some(2), false, 4), Hits::Take(2));
+    assert_eq!(with(Some(0), false, 4), Hits::Peek);
+    assert_eq!(with(Some(3), true, 0), Hits::Refund(3));
+    assert_eq!(with(None, true, 5), Hits::Refund(5));
+}
+
+#[test]
+fn keys_are_injective_and_free_of_hash_tags() {
+    let config = config();
+    let key_of = |pairs: &[(&str, &str)]| {
+        let descriptor = Descriptor {
+            entries: entries(pairs),
+            limit_override: Some(LimitOverride {
+                requests_per_unit: 1,
+                unit: Unit::Second,
+            }),
+            ..Default::default()
+        };
+        plan_one(&config, descriptor, 0).checks[0].key.clone()
+    };
+    let a = key_of(&[("a", "b:c")]);
+    let b = key_of(&[("a", "b"), ("c", "")]);
+    let c = key_of(&[("a=b", "c")]);
+    let d = key_of(&[("a", "b=c")]);
+    let all = [&a, &b, &c, &d];
+    for (i, x) in all.iter().enumerate() {
+        for y in &all[i + 1..] {
+            assert_ne!(x, y);
+        }
+    }
+    let tagged = key_of(&[("user", "{victim}")]);
+    assert!(!tagged.contains('{') && !tagged.contains('}'), "{tagged}");
+    assert!(a.starts_with("rlsd:_:d:fw:1:"), "{a}");
+}
+
+#[test]
+fn unknown_domains_plan_nothing() {
+    let config = config();
+    let request = Request {
+        domain: "other".to_owned(),
+        descriptors: vec![Descriptor::default(); 2],
+        hits_addend: 0,
+    };
+    let plan = plan(&config, &request, &KeySettings::default());
+    assert!(plan.checks.is_empty());
+    assert_eq!(plan.decisions, [Decision::NoLimit, Decision::NoLimit]);
+}

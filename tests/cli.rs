@@ -1,0 +1,114 @@
+//! The `rlsd` binary: `check`, and `serve` refusing bad configs and stopping on SIGTERM.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("free port")
+        .port()
+}
+
+#[test]
+fn check_prints_the_limits_of_the_examples() {
+    let output = Command::new(RLSD).args(["check", "--config", "examples"]).output().expect("run");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("edge-proxy.plan_pro.api_key: 600 per minute (fixed_window)"), "{stdout}");
+    assert!(stdout.contains("(gcra) burst 3"), "{stdout}");
+    assert!(stdout.contains("2 domain(s) OK"), "{stdout}");
+}
+
+#[test]
+fn check_reports_every_error_with_file_and_line_and_exits_1() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(
+        &file,
+        "domain: bad\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n  - key: b\n    colour: red\n",
+    )
+    .expect("write");
+    let output = Command::new(RLSD)
+        .arg("check")
+        .env("RLSD_CONFIG", &file)
+        .output()
+        .expect("run");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("bad.yaml:5:"), "{stderr}");
+    assert!(stderr.contains("invalid rate limit unit 'fortnight'"), "{stderr}");
+    assert!(stderr.contains("bad.yaml:8:"), "{stderr}");
+    assert!(stderr.contains("unknown key 'colour'"), "{stderr}");
+}
+
+#[test]
+fn serve_refuses_an_invalid_config_before_binding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(&file, "domain: ''\ndescriptors: []\n").expect("write");
+    let grpc = free_port();
+    let output = Command::new(RLSD)
+        .args(["serve", "--config"])
+        .arg(&file)
+        .args(["--grpc-addr", &format!("127.0.0.1:{grpc}"), "--http-addr", "127.0.0.1:0"])
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("invalid config"), "{stderr}");
+    assert!(stderr.contains("config file cannot have empty domain"), "{stderr}");
+    assert!(TcpListener::bind(("127.0.0.1", grpc)).is_ok(), "port was never taken");
+}
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response)
+}
+
+#[test]
+fn serve_answers_health_and_stops_cleanly_on_sigterm() {
+    let (grpc, http) = (free_port(), free_port());
+    let mut child = Command::new(RLSD)
+        .args(["serve", "--config", "examples/three-layer.yaml"])
+        .env("RLSD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
+        .env("RLSD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let health = loop {
+        if let Some(response) = http_get(http, "/healthcheck") {
+            break response;
+        }
+        assert!(Instant::now() < deadline, "rlsd did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(health.ends_with("OK"), "{health}");
+    let rlconfig = http_get(http, "/rlconfig").expect("rlconfig");
+    assert!(rlconfig.contains("edge-proxy.remote_address: 1000 per minute"), "{rlconfig}");
+    assert!(TcpStream::connect(("127.0.0.1", grpc)).is_ok(), "grpc port is open");
+
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "rlsd did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status:?}");
+    let mut stderr = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("read");
+    assert!(stderr.contains("SIGTERM received"), "{stderr}");
+}
