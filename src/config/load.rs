@@ -51,9 +51,12 @@ fn one_per_line(errors: &[ConfigError]) -> String {
 
 /// Loads a config file, or every `*.yaml` / `*.yml` file at the top level of a directory.
 ///
-/// In a directory, names starting with `.` are skipped (Kubernetes ConfigMap mounts keep their
+/// In a directory, names starting with `.` are skipped (Kubernetes `ConfigMap` mounts keep their
 /// real files under `..data`), symlinks are followed, and files are read in name order. Every
-/// file is checked even when an earlier one has errors; the `Err` holds all of them.
+/// file is checked even when an earlier one has errors.
+///
+/// # Errors
+/// Every problem of every file, each with its file, line and column, in file order.
 pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
     let files = match fs::metadata(path) {
@@ -67,19 +70,9 @@ pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
     let mut config = Config::default();
     let mut first_file: HashMap<String, String> = HashMap::new();
     for file in files {
-        let text = match fs::read(&file) {
-            Ok(bytes) => match String::from_utf8(bytes) {
-                Ok(text) => text,
-                Err(_) => {
-                    errors.push(ConfigError {
-                        file: file.display().to_string(),
-                        line: 0,
-                        column: 0,
-                        reason: "cannot read config file: it is not valid UTF-8".to_owned(),
-                    });
-                    continue;
-                }
-            },
+        // Invalid UTF-8 is an `InvalidData` read error, reported like any other.
+        let text = match fs::read_to_string(&file) {
+            Ok(text) => text,
             Err(error) => {
                 errors.push(unreadable(&file, &error));
                 continue;
@@ -87,11 +80,12 @@ pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
         };
         let name = file.display().to_string();
         let loaded = load_file(&name, &text);
+        let mut file_errors = Vec::new();
         let mut duplicate = false;
         if let Some((domain, pos)) = &loaded.domain {
             if let Some(first) = first_file.get(domain) {
                 duplicate = true;
-                errors.push(error_at(
+                file_errors.push(error_at(
                     &name,
                     *pos,
                     format!(
@@ -107,8 +101,10 @@ pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
                 config.domains.insert(domain.name.clone(), domain);
             }
             Ok(_) => {}
-            Err(file_errors) => errors.extend(file_errors),
+            Err(more) => file_errors.extend(more),
         }
+        file_errors.sort_by_key(|error| (error.line, error.column));
+        errors.append(&mut file_errors);
     }
     if errors.is_empty() {
         Ok(config)
@@ -118,6 +114,9 @@ pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
 }
 
 /// Loads one file's text; `file_name` is only used in errors and as [`Domain::source`].
+///
+/// # Errors
+/// Every problem of the file, sorted by line and column.
 pub fn load_str(file_name: &str, yaml: &str) -> Result<Domain, Vec<ConfigError>> {
     load_file(file_name, yaml).result
 }
@@ -654,20 +653,7 @@ impl Walker<'_> {
             None => Vec::new(),
         };
         if unlimited == Some(true) {
-            for key in LIMITED_ONLY_KEYS {
-                if let Some((key_node, _)) = fields.get(key) {
-                    let reason = match *key {
-                        "unit" => "should not specify rate limit unit when unlimited".to_owned(),
-                        "replaces" => {
-                            "should not specify replaces when unlimited (an unlimited limit replaces nothing)"
-                                .to_owned()
-                        }
-                        other => format!("should not specify {other} when unlimited"),
-                    };
-                    self.error(key_node.pos, reason);
-                    ok = false;
-                }
-            }
+            ok &= self.nothing_limited_only(&fields);
             return ok.then_some(ParsedLimit {
                 limit: None,
                 name,
@@ -682,26 +668,7 @@ impl Walker<'_> {
                 }
                 None
             }
-            Some((_, unit)) => {
-                let parsed = match &unit.value {
-                    Value::Str(text) => Unit::parse(text),
-                    _ => None,
-                };
-                if parsed.is_none() {
-                    let spelled = unit
-                        .scalar_text(self.text)
-                        .unwrap_or_else(|| self.describe(unit));
-                    let valid: Vec<&str> = Unit::ALL.iter().map(|unit| unit.name()).collect();
-                    self.error(
-                        unit.pos,
-                        format!(
-                            "invalid rate limit unit '{spelled}' (valid: {})",
-                            valid.join(", ")
-                        ),
-                    );
-                }
-                parsed
-            }
+            Some((_, unit)) => self.unit(unit),
         };
         let requests_per_unit = match fields.get("requests_per_unit") {
             None => {
@@ -714,26 +681,7 @@ impl Walker<'_> {
         };
         let algorithm = match fields.get("algorithm") {
             None => Some(Algorithm::FixedWindow),
-            Some((_, algorithm)) => {
-                let parsed = match &algorithm.value {
-                    Value::Str(text) => Algorithm::parse(&text.to_ascii_lowercase()),
-                    _ => None,
-                };
-                if parsed.is_none() {
-                    let spelled = algorithm
-                        .scalar_text(self.text)
-                        .unwrap_or_else(|| self.describe(algorithm));
-                    let valid: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
-                    self.error(
-                        algorithm.pos,
-                        format!(
-                            "invalid algorithm '{spelled}' (valid: {})",
-                            valid.join(", ")
-                        ),
-                    );
-                }
-                parsed
-            }
+            Some((_, algorithm)) => self.algorithm(algorithm),
         };
         let burst = match fields.get("burst") {
             None => Some(None),
@@ -800,6 +748,68 @@ impl Walker<'_> {
             replaces,
             pos: at,
         })
+    }
+
+    /// Reports every key of an `unlimited: true` limit that only a real limit can have; whether
+    /// there was none.
+    fn nothing_limited_only(&mut self, fields: &Fields<'_>) -> bool {
+        let mut none = true;
+        for key in LIMITED_ONLY_KEYS {
+            if let Some((key_node, _)) = fields.get(key) {
+                let reason = match *key {
+                    "unit" => "should not specify rate limit unit when unlimited".to_owned(),
+                    "replaces" => "should not specify replaces when unlimited \
+                                   (an unlimited limit replaces nothing)"
+                        .to_owned(),
+                    other => format!("should not specify {other} when unlimited"),
+                };
+                self.error(key_node.pos, reason);
+                none = false;
+            }
+        }
+        none
+    }
+
+    /// A `unit:` value, case-insensitive; `None` after reporting anything else.
+    fn unit(&mut self, node: &YNode) -> Option<Unit> {
+        if let Value::Str(text) = &node.value
+            && let Some(unit) = Unit::parse(text)
+        {
+            return Some(unit);
+        }
+        let spelled = node
+            .scalar_text(self.text)
+            .unwrap_or_else(|| self.describe(node));
+        let valid: Vec<&str> = Unit::ALL.iter().map(|unit| unit.name()).collect();
+        self.error(
+            node.pos,
+            format!(
+                "invalid rate limit unit '{spelled}' (valid: {})",
+                valid.join(", ")
+            ),
+        );
+        None
+    }
+
+    /// An `algorithm:` value, case-insensitive; `None` after reporting anything else.
+    fn algorithm(&mut self, node: &YNode) -> Option<Algorithm> {
+        if let Value::Str(text) = &node.value
+            && let Some(algorithm) = Algorithm::parse(&text.to_ascii_lowercase())
+        {
+            return Some(algorithm);
+        }
+        let spelled = node
+            .scalar_text(self.text)
+            .unwrap_or_else(|| self.describe(node));
+        let valid: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+        self.error(
+            node.pos,
+            format!(
+                "invalid algorithm '{spelled}' (valid: {})",
+                valid.join(", ")
+            ),
+        );
+        None
     }
 
     /// A `replaces:` list of `{name: <limit>}`; `None` if any entry is broken.

@@ -1306,3 +1306,69 @@ fn wildcard_matches() {
     assert_eq!(Wildcard::new("plain"), None);
     assert_eq!(Wildcard::new(""), None);
 }
+
+#[test]
+fn anchors_aliases_and_merge_keys() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: &lim {unit: second, requests_per_unit: 7}
+          - key: b
+            rate_limit: *lim
+          - key: c
+            rate_limit:
+              <<: *lim
+              name: c
+        ",
+    );
+    let root = &domain.root;
+    assert_eq!(
+        *only_limit(default(root, "a")),
+        Limit::fixed(7, Unit::Second)
+    );
+    assert_eq!(
+        *only_limit(default(root, "b")),
+        Limit::fixed(7, Unit::Second)
+    );
+    assert_eq!(
+        *only_limit(default(root, "c")),
+        named(Limit::fixed(7, Unit::Second), "c")
+    );
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: &lim {unit: fortnight, requests_per_unit: 7}
+          - key: b
+            rate_limit: *lim
+        ";
+    let errors = errors(yaml);
+    let lines: Vec<_> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(lines, [4, 6], "{}", ConfigErrors(errors.clone()));
+}
+
+#[test]
+fn truncated_and_mangled_files_never_panic_and_always_have_lines() {
+    let mut inputs = Vec::new();
+    for source in [ENVOY_EXAMPLE, RLSD_EXTENSIONS] {
+        for (at, _) in source.char_indices().step_by(5) {
+            inputs.push(source[..at].to_owned());
+            let mut mangled = source.to_owned();
+            mangled.replace_range(at..=at, ":");
+            inputs.push(mangled);
+        }
+    }
+    for input in inputs {
+        if let Err(errors) = load_str("fuzz.yaml", &input) {
+            assert!(!errors.is_empty());
+            for error in errors {
+                assert!(
+                    error.line >= 1 && error.column >= 1,
+                    "{error} for {input:?}"
+                );
+            }
+        }
+    }
+}

@@ -214,7 +214,8 @@ impl<'de> Visitor<'de> for ValueVisitor {
     }
 
     fn visit_u128<E: de::Error>(self, v: u128) -> Result<Value, E> {
-        Ok(i128::try_from(v).map_or(Value::Float(v as f64), Value::Int))
+        // Beyond i128 only matters for messages, which show the spelling anyway.
+        Ok(Value::Int(i128::try_from(v).unwrap_or(i128::MAX)))
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
