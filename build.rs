@@ -10,7 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .compile_protos(
-            &[std::path::PathBuf::from("proto/envoy/service/ratelimit/v3/rls.proto")],
+            &[std::path::PathBuf::from(
+                "proto/envoy/service/ratelimit/v3/rls.proto",
+            )],
             &[std::path::PathBuf::from("proto"), well_known],
         )?;
     Ok(())

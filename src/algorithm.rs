@@ -229,7 +229,9 @@ fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Up
             let mut entries = entries.clone();
             let mut left = n;
             while left > 0 {
-                let Some(last) = entries.back_mut() else { break };
+                let Some(last) = entries.back_mut() else {
+                    break;
+                };
                 let give = last.1.min(left);
                 last.1 -= give;
                 left -= give;

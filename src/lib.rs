@@ -10,6 +10,8 @@
 //! - [`service`]: the tonic service; wire types in, wire types out.
 //! - [`server`]: listeners, signals and shutdown.
 
+pub mod algorithm;
+pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod http;
@@ -17,6 +19,4 @@ pub mod limit;
 pub mod pb;
 pub mod server;
 pub mod service;
-pub mod algorithm;
-pub mod clock;
 pub mod store;

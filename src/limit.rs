@@ -200,6 +200,9 @@ pub struct Limit {
     pub shadow: bool,
     /// Names of limits this one replaces when both match one request.
     pub replaces: Vec<String>,
+    /// Tells apart limits of one descriptor that share algorithm and period, so each keeps its
+    /// own counter; 0 for the first.
+    pub variant: u32,
 }
 
 impl Limit {
@@ -213,6 +216,7 @@ impl Limit {
             burst: None,
             shadow: false,
             replaces: Vec::new(),
+            variant: 0,
         }
     }
 

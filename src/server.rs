@@ -72,8 +72,8 @@ pub async fn run<S: Store>(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(RateLimitServiceServer::new(limiter))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
-    let admin = axum::serve(listeners.http, http::router(config))
-        .with_graceful_shutdown(stopped(stop_rx));
+    let admin =
+        axum::serve(listeners.http, http::router(config)).with_graceful_shutdown(stopped(stop_rx));
     let (grpc, admin) = tokio::join!(grpc, admin);
     grpc?;
     admin.map_err(ServerError::Http)?;

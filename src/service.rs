@@ -10,7 +10,9 @@ use crate::config::Config;
 use crate::engine::{self, Decision, Descriptor, KeySettings, LimitOverride, Plan};
 use crate::limit::{MICROS_PER_SECOND, Unit};
 use crate::pb;
-use crate::pb::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit};
+use crate::pb::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
+};
 use crate::store::{Outcome, Store, StoreError};
 
 /// Which rate limit headers rlsd adds to responses.
@@ -29,8 +31,14 @@ pub enum HeaderStyle {
 impl HeaderStyle {
     fn names(self) -> Option<[&'static str; 3]> {
         match self {
-            HeaderStyle::XRatelimit => Some(["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]),
-            HeaderStyle::Ratelimit => Some(["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"]),
+            HeaderStyle::XRatelimit => Some([
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+            ]),
+            HeaderStyle::Ratelimit => {
+                Some(["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"])
+            }
             HeaderStyle::Off => None,
         }
     }
@@ -63,7 +71,10 @@ impl<S: Store> RateLimiter<S> {
     }
 
     /// Answers one request: validate, match, decide, assemble.
-    pub async fn decide(&self, request: pb::RateLimitRequest) -> Result<pb::RateLimitResponse, Status> {
+    pub async fn decide(
+        &self,
+        request: pb::RateLimitRequest,
+    ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request)?;
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
@@ -99,10 +110,14 @@ fn store_error(error: StoreError) -> Status {
 /// Turns the wire request into the engine's, rejecting what Envoy would never send.
 fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
     if request.domain.is_empty() {
-        return Err(Status::invalid_argument("rate limit domain must not be empty"));
+        return Err(Status::invalid_argument(
+            "rate limit domain must not be empty",
+        ));
     }
     if request.descriptors.is_empty() {
-        return Err(Status::invalid_argument("rate limit descriptor list must not be empty"));
+        return Err(Status::invalid_argument(
+            "rate limit descriptor list must not be empty",
+        ));
     }
     let descriptors = request
         .descriptors
@@ -117,9 +132,14 @@ fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
     })
 }
 
-fn validate_descriptor(index: usize, descriptor: pb::RateLimitDescriptor) -> Result<Descriptor, Status> {
+fn validate_descriptor(
+    index: usize,
+    descriptor: pb::RateLimitDescriptor,
+) -> Result<Descriptor, Status> {
     if descriptor.entries.is_empty() {
-        return Err(Status::invalid_argument(format!("descriptor {index} has no entries")));
+        return Err(Status::invalid_argument(format!(
+            "descriptor {index} has no entries"
+        )));
     }
     let entries = descriptor
         .entries
@@ -216,7 +236,9 @@ fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::
             },
         })
         .collect();
-    let over = statuses.iter().any(|s| s.code == i32::from(Code::OverLimit));
+    let over = statuses
+        .iter()
+        .any(|s| s.code == i32::from(Code::OverLimit));
     let limited: Vec<&Reported> = reported.iter().flatten().collect();
     pb::RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
@@ -282,7 +304,11 @@ fn whole_seconds_up(us: u64) -> u64 {
 
 /// Rate limit headers from the status closest to its limit (Envoy's own rule); `Retry-After`
 /// from the longest wait among denials.
-fn rate_limit_headers(limited: &[&Reported], over: bool, style: HeaderStyle) -> Vec<pb::HeaderValue> {
+fn rate_limit_headers(
+    limited: &[&Reported],
+    over: bool,
+    style: HeaderStyle,
+) -> Vec<pb::HeaderValue> {
     let (Some([limit_name, remaining_name, reset_name]), Some(closest)) = (
         style.names(),
         limited
@@ -300,15 +326,27 @@ fn rate_limit_headers(limited: &[&Reported], over: bool, style: HeaderStyle) -> 
         .iter()
         .filter_map(|r| {
             let limit = r.status.current_limit.as_ref()?;
-            let name = (!limit.name.is_empty())
-                .then(|| format!(";name=\"{}\"", limit.name))
-                .unwrap_or_default();
-            Some(format!("{};w={}{name}", limit.requests_per_unit, r.window_seconds))
+            let name = if limit.name.is_empty() {
+                String::new()
+            } else {
+                format!(";name=\"{}\"", limit.name)
+            };
+            Some(format!(
+                "{};w={}{name}",
+                limit.requests_per_unit, r.window_seconds
+            ))
         })
         .collect();
-    let closest_limit = closest.status.current_limit.as_ref().map_or(0, |l| l.requests_per_unit);
+    let closest_limit = closest
+        .status
+        .current_limit
+        .as_ref()
+        .map_or(0, |l| l.requests_per_unit);
     let mut headers = vec![
-        header(limit_name, format!("{closest_limit}, {}", policies.join(", "))),
+        header(
+            limit_name,
+            format!("{closest_limit}, {}", policies.join(", ")),
+        ),
         header(remaining_name, closest.status.limit_remaining.to_string()),
         header(reset_name, whole_seconds_up(closest.reset_us).to_string()),
     ];
@@ -319,7 +357,10 @@ fn rate_limit_headers(limited: &[&Reported], over: bool, style: HeaderStyle) -> 
             .map(|r| r.reset_us)
             .max()
             .unwrap_or(0);
-        headers.push(header("retry-after", whole_seconds_up(wait).max(1).to_string()));
+        headers.push(header(
+            "retry-after",
+            whole_seconds_up(wait).max(1).to_string(),
+        ));
     }
     headers
 }

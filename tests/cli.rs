@@ -16,10 +16,20 @@ fn free_port() -> u16 {
 
 #[test]
 fn check_prints_the_limits_of_the_examples() {
-    let output = Command::new(RLSD).args(["check", "--config", "examples"]).output().expect("run");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = Command::new(RLSD)
+        .args(["check", "--config", "examples"])
+        .output()
+        .expect("run");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("edge-proxy.plan_pro.api_key: 600 per minute (fixed_window)"), "{stdout}");
+    assert!(
+        stdout.contains("edge-proxy.plan_pro.api_key: 600 per minute (fixed_window)"),
+        "{stdout}"
+    );
     assert!(stdout.contains("(gcra) burst 3"), "{stdout}");
     assert!(stdout.contains("2 domain(s) OK"), "{stdout}");
 }
@@ -41,7 +51,10 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("bad.yaml:5:"), "{stderr}");
-    assert!(stderr.contains("invalid rate limit unit 'fortnight'"), "{stderr}");
+    assert!(
+        stderr.contains("invalid rate limit unit 'fortnight'"),
+        "{stderr}"
+    );
     assert!(stderr.contains("bad.yaml:8:"), "{stderr}");
     assert!(stderr.contains("unknown key 'colour'"), "{stderr}");
 }
@@ -55,19 +68,34 @@ fn serve_refuses_an_invalid_config_before_binding() {
     let output = Command::new(RLSD)
         .args(["serve", "--config"])
         .arg(&file)
-        .args(["--grpc-addr", &format!("127.0.0.1:{grpc}"), "--http-addr", "127.0.0.1:0"])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
         .output()
         .expect("run");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("invalid config"), "{stderr}");
-    assert!(stderr.contains("config file cannot have empty domain"), "{stderr}");
-    assert!(TcpListener::bind(("127.0.0.1", grpc)).is_ok(), "port was never taken");
+    assert!(
+        stderr.contains("config file cannot have empty domain"),
+        "{stderr}"
+    );
+    assert!(
+        TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
+        "port was never taken"
+    );
 }
 
 fn http_get(port: u16, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     Some(response)
@@ -94,10 +122,19 @@ fn serve_answers_health_and_stops_cleanly_on_sigterm() {
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     assert!(health.ends_with("OK"), "{health}");
     let rlconfig = http_get(http, "/rlconfig").expect("rlconfig");
-    assert!(rlconfig.contains("edge-proxy.remote_address: 1000 per minute"), "{rlconfig}");
-    assert!(TcpStream::connect(("127.0.0.1", grpc)).is_ok(), "grpc port is open");
+    assert!(
+        rlconfig.contains("edge-proxy.remote_address: 1000 per minute"),
+        "{rlconfig}"
+    );
+    assert!(
+        TcpStream::connect(("127.0.0.1", grpc)).is_ok(),
+        "grpc port is open"
+    );
 
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
     assert!(killed.success());
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
@@ -109,6 +146,11 @@ fn serve_answers_health_and_stops_cleanly_on_sigterm() {
     };
     assert!(status.success(), "exit status {status:?}");
     let mut stderr = String::new();
-    child.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("read");
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("read");
     assert!(stderr.contains("SIGTERM received"), "{stderr}");
 }

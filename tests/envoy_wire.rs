@@ -5,13 +5,15 @@ mod common;
 
 use common::{T0, TestServer};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
-    RateLimitDescriptor, rate_limit_descriptor::{Entry, RateLimitOverride},
+    RateLimitDescriptor,
+    rate_limit_descriptor::{Entry, RateLimitOverride},
 };
-use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::{
-    RateLimitRequest, rate_limit_response::{Code, rate_limit::Unit},
+    RateLimitRequest,
+    rate_limit_response::{Code, rate_limit::Unit},
     rate_limit_service_client::RateLimitServiceClient,
 };
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::UInt64Value;
 
 const CONFIG: &str = r#"
@@ -68,12 +70,25 @@ async fn envoys_own_client_speaks_to_rlsd() {
     assert_eq!(limit.requests_per_unit, 4);
     assert_eq!(limit.unit(), Unit::Week);
     let reset = edge.duration_until_reset.expect("duration_until_reset");
-    assert!(reset.seconds > 0 && reset.seconds <= 7 * 86_400, "{reset:?}");
+    assert!(
+        reset.seconds > 0 && reset.seconds <= 7 * 86_400,
+        "{reset:?}"
+    );
     let over = &response.statuses[1];
-    assert_eq!(over.current_limit.as_ref().map(|l| (l.requests_per_unit, l.unit())), Some((9, Unit::Minute)));
+    assert_eq!(
+        over.current_limit
+            .as_ref()
+            .map(|l| (l.requests_per_unit, l.unit())),
+        Some((9, Unit::Minute))
+    );
     assert_eq!(over.limit_remaining, 8);
     assert!(response.statuses[2].current_limit.is_none());
-    assert!(response.response_headers_to_add.iter().any(|h| h.key == "x-ratelimit-remaining"));
+    assert!(
+        response
+            .response_headers_to_add
+            .iter()
+            .any(|h| h.key == "x-ratelimit-remaining")
+    );
 
     // Two more hits use the quota up; then a refund (is_negative_hits) gives one back.
     client
@@ -94,7 +109,12 @@ async fn envoys_own_client_speaks_to_rlsd() {
         .expect("answer")
         .into_inner();
     assert_eq!(denied.overall_code(), Code::OverLimit);
-    assert!(denied.response_headers_to_add.iter().any(|h| h.key == "retry-after"));
+    assert!(
+        denied
+            .response_headers_to_add
+            .iter()
+            .any(|h| h.key == "retry-after")
+    );
     let mut refund = descriptor("remote_address", "10.0.0.1");
     refund.hits_addend = Some(UInt64Value { value: 1 });
     refund.is_negative_hits = true;

@@ -90,12 +90,21 @@ async fn a_limit_counts_down_then_denies_with_headers() {
         assert_eq!(code(status), Code::Ok);
         assert_eq!(status.limit_remaining, expected);
         let limit = status.current_limit.as_ref().expect("current_limit");
-        assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("per-user", 3));
+        assert_eq!(
+            (limit.name.as_str(), limit.requests_per_unit),
+            ("per-user", 3)
+        );
         assert_eq!(limit.unit, Unit::Minute as i32);
         let reset = status.duration_until_reset.expect("reset");
         assert_eq!((reset.seconds, reset.nanos), (40, 0));
-        assert_eq!(header(&response, "x-ratelimit-limit"), Some("3, 3;w=60;name=\"per-user\""));
-        assert_eq!(header(&response, "x-ratelimit-remaining"), Some(expected.to_string().as_str()));
+        assert_eq!(
+            header(&response, "x-ratelimit-limit"),
+            Some("3, 3;w=60;name=\"per-user\"")
+        );
+        assert_eq!(
+            header(&response, "x-ratelimit-remaining"),
+            Some(expected.to_string().as_str())
+        );
         assert_eq!(header(&response, "x-ratelimit-reset"), Some("40"));
         assert_eq!(header(&response, "retry-after"), None);
     }
@@ -113,11 +122,21 @@ async fn a_limit_counts_down_then_denies_with_headers() {
     assert_eq!(header(&denied, "x-ratelimit-reset"), Some("15"));
     assert_eq!(header(&denied, "retry-after"), Some("15"));
     // Another user has their own counter.
-    let other = ask(&server, request("shop", vec![descriptor(&[("user", "bob")])])).await.expect("answer");
+    let other = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "bob")])]),
+    )
+    .await
+    .expect("answer");
     assert_eq!(other.statuses[0].limit_remaining, 2);
     // The next window starts fresh.
     server.clock.set(T0 + 60_000_000);
-    let fresh = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("answer");
+    let fresh = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
     assert_eq!(fresh.overall_code, Code::Ok as i32);
     server.stop().await;
 }
@@ -131,22 +150,43 @@ async fn malformed_requests_are_invalid_arguments() {
         unit: RateLimitUnit::Unknown as i32,
     });
     let cases = [
-        (request("", vec![descriptor(&[("user", "a")])]), "domain must not be empty"),
-        (request("shop", vec![]), "descriptor list must not be empty"),
-        (request("shop", vec![descriptor(&[])]), "descriptor 0 has no entries"),
         (
-            request("shop", vec![descriptor(&[("user", "a")]), descriptor(&[("", "x")])]),
+            request("", vec![descriptor(&[("user", "a")])]),
+            "domain must not be empty",
+        ),
+        (request("shop", vec![]), "descriptor list must not be empty"),
+        (
+            request("shop", vec![descriptor(&[])]),
+            "descriptor 0 has no entries",
+        ),
+        (
+            request(
+                "shop",
+                vec![descriptor(&[("user", "a")]), descriptor(&[("", "x")])],
+            ),
             "descriptor 1 entry 0 has an empty key",
         ),
-        (request("shop", vec![override_unknown]), "limit override has unit UNKNOWN"),
+        (
+            request("shop", vec![override_unknown]),
+            "limit override has unit UNKNOWN",
+        ),
     ];
     for (req, message) in cases {
         let status = ask(&server, req).await.expect_err("rejected");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{message}");
-        assert!(status.message().contains(message), "{:?} lacks {message:?}", status.message());
+        assert!(
+            status.message().contains(message),
+            "{:?} lacks {message:?}",
+            status.message()
+        );
     }
     // Nothing was counted by the rejected requests.
-    let ok = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("answer");
+    let ok = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
     assert_eq!(ok.statuses[0].limit_remaining, 2);
     server.stop().await;
 }
@@ -167,10 +207,21 @@ async fn unknown_domains_descriptors_and_whitelists_are_ok_without_a_limit() {
         let response = ask(&server, req.clone()).await.expect("answer");
         assert_eq!(response.overall_code, Code::Ok as i32, "{req:?}");
         assert_eq!(response.statuses.len(), 1);
-        assert_eq!(response.statuses[0], DescriptorStatus { code: Code::Ok as i32, ..Default::default() }, "{req:?}");
+        assert_eq!(
+            response.statuses[0],
+            DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+            "{req:?}"
+        );
         assert!(response.response_headers_to_add.is_empty());
     }
-    assert_eq!(server.store.stats().live_keys, 0, "nothing touched the store");
+    assert_eq!(
+        server.store.stats().live_keys,
+        0,
+        "nothing touched the store"
+    );
     server.stop().await;
 }
 
@@ -188,13 +239,18 @@ async fn unlimited_wildcards_and_statuses_in_request_order() {
     for round in 0..3 {
         let response = ask(&server, req.clone()).await.expect("answer");
         assert_eq!(response.statuses.len(), 3);
-        let [free, api, unknown] = &response.statuses[..] else { panic!("three statuses") };
+        let [free, api, unknown] = &response.statuses[..] else {
+            panic!("three statuses")
+        };
         assert_eq!(code(free), Code::Ok);
         assert_eq!(free.limit_remaining, u32::MAX);
         assert!(free.current_limit.is_none());
         assert!(unknown.current_limit.is_none());
         let api_limit = api.current_limit.as_ref().expect("wildcard matched");
-        assert_eq!((api_limit.requests_per_unit, api_limit.unit), (2, Unit::Second as i32));
+        assert_eq!(
+            (api_limit.requests_per_unit, api_limit.unit),
+            (2, Unit::Second as i32)
+        );
         let expected = if round < 2 { Code::Ok } else { Code::OverLimit };
         assert_eq!(code(api), expected, "round {round}");
         assert_eq!(response.overall_code, expected as i32);
@@ -207,23 +263,46 @@ async fn replaces_drops_the_replaced_limit() {
     let server = TestServer::start(LIMITS).await;
     let req = request(
         "shop",
-        vec![descriptor(&[("user", "ann")]), descriptor(&[("tenant", "t1"), ("user", "ann")])],
+        vec![
+            descriptor(&[("user", "ann")]),
+            descriptor(&[("tenant", "t1"), ("user", "ann")]),
+        ],
     );
     for expected in [4, 3, 2, 1, 0] {
         let response = ask(&server, req.clone()).await.expect("answer");
         // per-user (3/min) is replaced by tenant-user (5/hour): not counted, empty OK status.
-        assert_eq!(response.statuses[0], DescriptorStatus { code: Code::Ok as i32, ..Default::default() });
+        assert_eq!(
+            response.statuses[0],
+            DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            }
+        );
         assert_eq!(response.statuses[1].limit_remaining, expected);
     }
-    let alone = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("answer");
-    assert_eq!(alone.statuses[0].limit_remaining, 2, "per-user was never charged");
+    let alone = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
+    assert_eq!(
+        alone.statuses[0].limit_remaining, 2,
+        "per-user was never charged"
+    );
     server.stop().await;
 }
 
 #[tokio::test]
 async fn shadow_mode_reports_ok_with_zero_remaining() {
     let server = TestServer::start(LIMITS).await;
-    let req = request("shop", vec![descriptor(&[("shadowed", "x")]), descriptor(&[("user", "ann")])]);
+    let req = request(
+        "shop",
+        vec![
+            descriptor(&[("shadowed", "x")]),
+            descriptor(&[("user", "ann")]),
+        ],
+    );
     let first = ask(&server, req.clone()).await.expect("answer");
     assert_eq!(first.statuses[0].limit_remaining, 0);
     for _ in 0..2 {
@@ -233,7 +312,12 @@ async fn shadow_mode_reports_ok_with_zero_remaining() {
         assert_eq!(over.statuses[0].limit_remaining, 0);
     }
     // The user limit was charged each time: the shadow limit never blocked the request.
-    let after = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("answer");
+    let after = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
     assert_eq!(code(&after.statuses[0]), Code::OverLimit);
     server.stop().await;
 }
@@ -252,19 +336,29 @@ async fn hits_addend_per_request_per_descriptor_and_refunds() {
     let mut req = request("shop", vec![peek]);
     req.hits_addend = 7;
     let response = ask(&server, req).await.expect("answer");
-    assert_eq!((response.overall_code, response.statuses[0].limit_remaining), (Code::Ok as i32, 1));
+    assert_eq!(
+        (response.overall_code, response.statuses[0].limit_remaining),
+        (Code::Ok as i32, 1)
+    );
     // The descriptor's own hits win over the request's.
     let mut two = bucket();
     two.hits_addend = Some(2);
-    let response = ask(&server, request("shop", vec![two])).await.expect("answer");
+    let response = ask(&server, request("shop", vec![two]))
+        .await
+        .expect("answer");
     assert_eq!(response.overall_code, Code::OverLimit as i32);
     assert_eq!(response.statuses[0].limit_remaining, 1);
     // is_negative_hits gives hits back.
     let mut refund = bucket();
     refund.hits_addend = Some(2);
     refund.is_negative_hits = true;
-    let response = ask(&server, request("shop", vec![refund])).await.expect("answer");
-    assert_eq!((response.overall_code, response.statuses[0].limit_remaining), (Code::Ok as i32, 3));
+    let response = ask(&server, request("shop", vec![refund]))
+        .await
+        .expect("answer");
+    assert_eq!(
+        (response.overall_code, response.statuses[0].limit_remaining),
+        (Code::Ok as i32, 3)
+    );
     server.stop().await;
 }
 
@@ -276,21 +370,41 @@ async fn an_envoy_limit_override_is_honoured_when_the_domain_exists() {
         requests_per_unit: 1,
         unit: RateLimitUnit::Hour as i32,
     });
-    let first = ask(&server, request("shop", vec![overridden.clone()])).await.expect("answer");
-    let limit = first.statuses[0].current_limit.as_ref().expect("override limit");
-    assert_eq!((limit.requests_per_unit, limit.unit), (1, Unit::Hour as i32));
-    let second = ask(&server, request("shop", vec![overridden.clone()])).await.expect("answer");
+    let first = ask(&server, request("shop", vec![overridden.clone()]))
+        .await
+        .expect("answer");
+    let limit = first.statuses[0]
+        .current_limit
+        .as_ref()
+        .expect("override limit");
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit),
+        (1, Unit::Hour as i32)
+    );
+    let second = ask(&server, request("shop", vec![overridden.clone()]))
+        .await
+        .expect("answer");
     assert_eq!(second.overall_code, Code::OverLimit as i32);
-    let unknown_domain = ask(&server, request("nope", vec![overridden])).await.expect("answer");
+    let unknown_domain = ask(&server, request("nope", vec![overridden]))
+        .await
+        .expect("answer");
     assert!(unknown_domain.statuses[0].current_limit.is_none());
     server.stop().await;
 }
 
 #[tokio::test]
 async fn header_names_are_configurable_and_can_be_off() {
-    for (style, expected) in [(HeaderStyle::Ratelimit, Some("ratelimit-remaining")), (HeaderStyle::Off, None)] {
+    for (style, expected) in [
+        (HeaderStyle::Ratelimit, Some("ratelimit-remaining")),
+        (HeaderStyle::Off, None),
+    ] {
         let server = TestServer::start_with(LIMITS, style, 100).await;
-        let response = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("answer");
+        let response = ask(
+            &server,
+            request("shop", vec![descriptor(&[("user", "ann")])]),
+        )
+        .await
+        .expect("answer");
         match expected {
             Some(name) => {
                 assert_eq!(header(&response, name), Some("2"));
@@ -306,11 +420,20 @@ async fn header_names_are_configurable_and_can_be_off() {
 async fn headers_follow_the_most_restrictive_status() {
     let server = TestServer::start(LIMITS).await;
     server.clock.set(T0 + 30_000_000);
-    let req = request("shop", vec![descriptor(&[("bucket", "b")]), descriptor(&[("user", "ann")])]);
+    let req = request(
+        "shop",
+        vec![
+            descriptor(&[("bucket", "b")]),
+            descriptor(&[("user", "ann")]),
+        ],
+    );
     let response = ask(&server, req).await.expect("answer");
     // user has 2 left of 3/min, bucket 3 of 4: the user status is closest to its limit.
     assert_eq!(header(&response, "x-ratelimit-remaining"), Some("2"));
-    assert_eq!(header(&response, "x-ratelimit-limit"), Some("3, 10;w=1, 3;w=60;name=\"per-user\""));
+    assert_eq!(
+        header(&response, "x-ratelimit-limit"),
+        Some("3, 10;w=1, 3;w=60;name=\"per-user\"")
+    );
     assert_eq!(header(&response, "x-ratelimit-reset"), Some("30"));
     server.stop().await;
 }
@@ -348,11 +471,26 @@ async fn concurrent_clients_on_one_key_get_exactly_the_limit() {
 #[tokio::test]
 async fn a_full_store_answers_unavailable_and_changes_nothing() {
     let server = TestServer::start_with(LIMITS, HeaderStyle::XRatelimit, 1).await;
-    ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("room for one");
-    let status = ask(&server, request("shop", vec![descriptor(&[("user", "bob")])])).await.expect_err("full");
+    ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("room for one");
+    let status = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "bob")])]),
+    )
+    .await
+    .expect_err("full");
     assert_eq!(status.code(), tonic::Code::Unavailable);
     assert!(status.message().contains("full"), "{}", status.message());
-    let ann = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])])).await.expect("existing key");
+    let ann = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("existing key");
     assert_eq!(ann.statuses[0].limit_remaining, 1);
     server.stop().await;
 }

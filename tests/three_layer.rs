@@ -32,7 +32,9 @@ async fn an_endpoint_denial_leaves_plan_and_edge_quota_untouched() {
             .into_inner();
         let expected = if i < 5 { Code::Ok } else { Code::OverLimit };
         assert_eq!(response.overall_code, expected as i32, "request {i}");
-        let [edge, plan, endpoint] = &response.statuses[..] else { panic!("three statuses") };
+        let [edge, plan, endpoint] = &response.statuses[..] else {
+            panic!("three statuses")
+        };
         // Only the five allowed requests were charged to the edge and plan layers.
         let charged = (i + 1).min(5);
         assert_eq!(edge.limit_remaining, 1000 - charged, "edge after {i}");
@@ -49,7 +51,8 @@ async fn an_endpoint_denial_leaves_plan_and_edge_quota_untouched() {
 async fn plans_differ_and_the_edge_spans_api_keys() {
     let server = TestServer::start(POLICY).await;
     let mut client = server.client().await;
-    let plan_remaining = |response: &rlsd::pb::RateLimitResponse| response.statuses[1].limit_remaining;
+    let plan_remaining =
+        |response: &rlsd::pb::RateLimitResponse| response.statuses[1].limit_remaining;
     let free = client
         .should_rate_limit(layered("10.0.0.2", "free", "free-key", "search"))
         .await

@@ -46,10 +46,8 @@ impl Key {
 fn all_algorithms(limit: u64, period_us: u64) -> Vec<Key> {
     Algorithm::ALL
         .into_iter()
-        .map(|algorithm| {
-            let burst = if algorithm == Algorithm::Gcra { limit } else { limit };
-            Key::new(algorithm, limit, period_us, burst)
-        })
+        // Burst = L everywhere, so every algorithm holds the same L hits at once.
+        .map(|algorithm| Key::new(algorithm, limit, period_us, limit))
         .collect()
 }
 
@@ -99,7 +97,10 @@ fn fixed_window_counts_remaining_and_reset() {
     key.take(16 * S);
     key.take(17 * S);
     let denied = key.take(18 * S);
-    assert_eq!((denied.allowed, denied.remaining, denied.reset_us), (false, 0, 42 * S));
+    assert_eq!(
+        (denied.allowed, denied.remaining, denied.reset_us),
+        (false, 0, 42 * S)
+    );
     assert!(key.take(60 * S).allowed);
 }
 
@@ -126,7 +127,10 @@ fn sliding_log_is_exact() {
         }
     }
     for (i, start) in allowed_at.iter().enumerate() {
-        let within = allowed_at[i..].iter().take_while(|t| **t < start + S).count();
+        let within = allowed_at[i..]
+            .iter()
+            .take_while(|t| **t < start + S)
+            .count();
         assert!(within <= 5, "{within} hits within a second from {start}");
     }
 }
@@ -185,7 +189,10 @@ fn multiple_hits_are_taken_together_or_not_at_all() {
         assert_eq!(v.remaining, 3, "{name}");
         let denied = key.hit(0, Hits::Take(4));
         assert!(!denied.allowed, "{name}");
-        assert_eq!(denied.remaining, 3, "{name}: a denied request takes nothing");
+        assert_eq!(
+            denied.remaining, 3,
+            "{name}: a denied request takes nothing"
+        );
         assert!(key.hit(0, Hits::Take(3)).allowed, "{name}");
         assert!(!key.take(0).allowed, "{name}");
     }
@@ -214,7 +221,10 @@ fn zero_hits_is_a_pure_check() {
         }
         assert_eq!(key.allowed_count(0, 2), 2, "{name}");
         let v = key.hit(0, Hits::Peek);
-        assert!(!v.allowed, "{name}: a client at its limit is told OVER_LIMIT");
+        assert!(
+            !v.allowed,
+            "{name}: a client at its limit is told OVER_LIMIT"
+        );
         assert_eq!(v.remaining, 0, "{name}");
     }
 }
@@ -229,7 +239,11 @@ fn refunds_give_hits_back_but_never_beyond_fresh() {
         assert_eq!(v.remaining, 2, "{name}");
         assert_eq!(key.allowed_count(0, 5), 2, "{name}");
         key.hit(0, Hits::Refund(100));
-        assert_eq!(key.allowed_count(0, 10), 5, "{name}: refunds never exceed a fresh state");
+        assert_eq!(
+            key.allowed_count(0, 10),
+            5,
+            "{name}: refunds never exceed a fresh state"
+        );
     }
 }
 

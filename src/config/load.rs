@@ -238,15 +238,14 @@ const LIMIT_KEYS: &[&str] = &[
 ];
 /// Keys allowed in a `replaces` entry.
 const REPLACES_KEYS: &[&str] = &["name"];
-/// Rate limit keys that make no sense with `unlimited: true`.
+/// Rate limit keys that make no sense with `unlimited: true`. `requests_per_unit` and
+/// `replaces` are allowed there, as envoyproxy/ratelimit allows them (the count is ignored).
 const LIMITED_ONLY_KEYS: &[&str] = &[
     "unit",
-    "requests_per_unit",
     "algorithm",
     "burst",
     "unit_multiplier",
     "shadow_mode",
-    "replaces",
 ];
 
 /// A mapping's known entries, after its unknown keys have been reported.
@@ -600,6 +599,11 @@ impl Walker<'_> {
                 }
             }
         }
+        let unlimited_replaces: Vec<String> = parsed
+            .iter()
+            .filter(|limit| limit.limit.is_none())
+            .flat_map(|limit| limit.replaces.iter().map(|(name, _)| name.clone()))
+            .collect();
         for limit in &mut parsed {
             self.replaces_refs.append(&mut limit.replaces);
         }
@@ -613,16 +617,23 @@ impl Walker<'_> {
             },
         ] = parsed.as_mut_slice()
         {
-            return Some(Policy::Unlimited { name: name.take() });
+            return Some(Policy::Unlimited {
+                name: name.take(),
+                replaces: unlimited_replaces,
+            });
         }
-        let limits = parsed
-            .into_iter()
-            .filter_map(|parsed| parsed.limit)
-            .map(|mut limit| {
-                limit.shadow |= descriptor_shadow;
-                limit
-            })
-            .collect();
+
+        let mut limits: Vec<Limit> = Vec::with_capacity(parsed.len());
+        for mut limit in parsed.into_iter().filter_map(|parsed| parsed.limit) {
+            limit.shadow |= descriptor_shadow;
+            // Limits of one descriptor sharing algorithm and period (a shadow trial of a
+            // stricter limit, say) each need their own counter.
+            limit.variant = limits
+                .iter()
+                .filter(|other| other.algorithm == limit.algorithm && other.period == limit.period)
+                .count() as u32;
+            limits.push(limit);
+        }
         Some(Policy::Limits(limits))
     }
 
@@ -657,7 +668,7 @@ impl Walker<'_> {
             return ok.then_some(ParsedLimit {
                 limit: None,
                 name,
-                replaces: Vec::new(),
+                replaces,
                 pos: at,
             });
         }
@@ -743,6 +754,7 @@ impl Walker<'_> {
                 burst,
                 shadow,
                 replaces: replaces.iter().map(|(name, _)| name.clone()).collect(),
+                variant: 0,
             }),
             name,
             replaces,
@@ -758,9 +770,6 @@ impl Walker<'_> {
             if let Some((key_node, _)) = fields.get(key) {
                 let reason = match *key {
                     "unit" => "should not specify rate limit unit when unlimited".to_owned(),
-                    "replaces" => "should not specify replaces when unlimited \
-                                   (an unlimited limit replaces nothing)"
-                        .to_owned(),
                     other => format!("should not specify {other} when unlimited"),
                 };
                 self.error(key_node.pos, reason);

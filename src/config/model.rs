@@ -100,6 +100,8 @@ pub enum Policy {
     Unlimited {
         /// The limit's `name`, if any (a target of `replaces` like any other).
         name: Option<String>,
+        /// Names of limits this one replaces when both match one request.
+        replaces: Vec<String>,
     },
     /// One or more limits (`rate_limit`, or the `rate_limits` list); all must pass.
     Limits(Vec<Limit>),

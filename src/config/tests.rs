@@ -188,7 +188,8 @@ fn envoy_example_loads_into_the_expected_tree() {
     assert_eq!(
         other_sources.policy,
         Some(Policy::Unlimited {
-            name: Some("unlimited_sources".to_owned())
+            name: Some("unlimited_sources".to_owned()),
+            replaces: Vec::new(),
         })
     );
 
@@ -238,6 +239,7 @@ fn rlsd_extensions_load() {
                 burst: NonZeroU32::new(20),
                 shadow: true,
                 replaces: vec![],
+                variant: 0,
             },
             Limit {
                 name: Some("user_sustained".to_owned()),
@@ -247,6 +249,7 @@ fn rlsd_extensions_load() {
                 burst: None,
                 shadow: true,
                 replaces: vec![],
+                variant: 0,
             },
         ]
     );
@@ -375,7 +378,10 @@ fn unlimited_false_is_an_ordinary_limit() {
     );
     assert_eq!(
         default(&domain.root, "b").policy,
-        Some(Policy::Unlimited { name: None })
+        Some(Policy::Unlimited {
+            name: None,
+            replaces: Vec::new()
+        })
     );
 }
 
@@ -713,6 +719,8 @@ fn unlimited_with_unit() {
 
 #[test]
 fn unlimited_with_other_limit_keys() {
+    // Like envoyproxy/ratelimit, requests_per_unit is ignored and replaces allowed; keys that
+    // only shape a counted limit are errors.
     let yaml = "
         domain: d
         descriptors:
@@ -725,22 +733,57 @@ fn unlimited_with_other_limit_keys() {
         ";
     let errors = errors(yaml);
     let lines: Vec<_> = errors.iter().map(|e| e.line).collect();
-    assert_eq!(lines, [6, 7, 8], "{}", ConfigErrors(errors.clone()));
+    assert_eq!(lines, [7], "{}", ConfigErrors(errors.clone()));
     assert!(
         errors[0]
             .reason
-            .contains("should not specify requests_per_unit when unlimited")
-    );
-    assert!(
-        errors[1]
-            .reason
             .contains("should not specify algorithm when unlimited")
     );
-    assert!(
-        errors[2]
-            .reason
-            .contains("should not specify replaces when unlimited")
+}
+
+#[test]
+fn unlimited_keeps_its_replaces() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit: {unlimited: true, requests_per_unit: 5, replaces: [{name: other}]}
+          - key: j
+            rate_limit: {unit: second, requests_per_unit: 1, name: other}
+        ";
+    let domain = load_str("u.yaml", yaml).expect("valid");
+    let node = domain.root.keys["k"]
+        .default
+        .as_deref()
+        .expect("default node");
+    assert_eq!(
+        node.policy,
+        Some(Policy::Unlimited {
+            name: None,
+            replaces: vec!["other".to_owned()]
+        })
     );
+}
+
+#[test]
+fn limits_sharing_algorithm_and_period_get_their_own_counters() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limits:
+              - {unit: minute, requests_per_unit: 10}
+              - {unit: minute, requests_per_unit: 5, shadow_mode: true}
+              - {unit: minute, requests_per_unit: 100, algorithm: gcra}
+              - {unit: minute, requests_per_unit: 3, shadow_mode: true}
+        ",
+    );
+    let variants: Vec<_> = limits(default(&domain.root, "k"))
+        .iter()
+        .map(|l| l.variant)
+        .collect();
+    assert_eq!(variants, [0, 1, 0, 2]);
 }
 
 #[test]
@@ -1057,7 +1100,7 @@ fn all_errors_of_a_file_at_once() {
     let lines: Vec<_> = errors.iter().map(|e| e.line).collect();
     assert_eq!(
         lines,
-        [5, 6, 7, 8, 9, 10, 12, 17, 19, 21, 22],
+        [5, 6, 7, 8, 9, 10, 12, 17, 21, 22],
         "{}",
         ConfigErrors(errors.clone())
     );
@@ -1070,7 +1113,6 @@ fn all_errors_of_a_file_at_once() {
         "descriptor has empty key",
         "shadow_mode must be true or false",
         "should not specify rate limit unit when unlimited",
-        "should not specify replaces when unlimited",
         "unknown key 'typo' in descriptor",
         "rate_limits must not be an empty list",
     ];

@@ -1,4 +1,4 @@
-//! Store keys: `<prefix>:<layer>:<domain>:<algorithm>:<period>:<k>=<v>:<k>=<v>...`.
+//! Store keys: `<prefix>:<layer>:<domain>:<algorithm>:<period>[~<variant>]:<k>=<v>:<k>=<v>...`.
 //!
 //! Every component is escaped, so the encoding is injective (`a=b:c` and `a=b`,`c` differ) and
 //! no value can place a `{...}` Redis Cluster hash tag in the key.
@@ -18,7 +18,13 @@ pub fn encode(
     entries: &[(String, String)],
 ) -> String {
     let mut key = String::with_capacity(
-        settings.prefix.len() + domain.len() + 32 + entries.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>(),
+        settings.prefix.len()
+            + domain.len()
+            + 32
+            + entries
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 2)
+                .sum::<usize>(),
     );
     escape_into(&mut key, &settings.prefix);
     key.push(':');
@@ -32,6 +38,9 @@ pub fn encode(
         limit.algorithm.key_tag(),
         limit.period.seconds()
     );
+    if limit.variant > 0 {
+        let _ = write!(key, "~{}", limit.variant);
+    }
     for (k, v) in entries {
         key.push(':');
         escape_into(&mut key, k);

@@ -116,7 +116,9 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
             None => match matcher::find(&domain.root, &descriptor.entries) {
                 Some(node) => match &node.policy {
                     None => Matched::Nothing,
-                    Some(Policy::Unlimited { name }) => Matched::Unlimited(name.as_deref()),
+                    Some(Policy::Unlimited { name, replaces }) => {
+                        Matched::Unlimited(name.as_deref(), replaces)
+                    }
                     Some(Policy::Limits(limits)) => Matched::Limits(
                         limits
                             .iter()
@@ -135,12 +137,16 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     let replaced: HashSet<&str> = matched
         .iter()
         .flat_map(|m| match m {
-            Matched::Limits(limits) => limits.as_slice(),
-            _ => &[],
-        })
-        .flat_map(|planned| match &planned.limit {
-            Cow::Borrowed(limit) => limit.replaces.iter().map(String::as_str).collect(),
-            Cow::Owned(_) => Vec::new(),
+            Matched::Nothing => Vec::new(),
+            Matched::Unlimited(_, replaces) => replaces.iter().map(String::as_str).collect(),
+            Matched::Limits(limits) => limits
+                .iter()
+                .flat_map(|planned| match &planned.limit {
+                    Cow::Borrowed(limit) => limit.replaces.as_slice(),
+                    Cow::Owned(_) => &[],
+                })
+                .map(String::as_str)
+                .collect(),
         })
         .collect();
     let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(name));
@@ -148,8 +154,8 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     for (descriptor, matched) in request.descriptors.iter().zip(matched) {
         let decision = match matched {
             Matched::Nothing => Decision::NoLimit,
-            Matched::Unlimited(name) if is_replaced(name) => Decision::NoLimit,
-            Matched::Unlimited(_) => Decision::Unlimited,
+            Matched::Unlimited(name, _) if is_replaced(name) => Decision::NoLimit,
+            Matched::Unlimited(..) => Decision::Unlimited,
             Matched::Limits(limits) => {
                 let start = plan.checks.len();
                 let hits = hits_of(descriptor, request.hits_addend);
@@ -158,7 +164,13 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                         continue;
                     }
                     plan.checks.push(Check {
-                        key: key::encode(keys, "_", &request.domain, &planned.limit, &descriptor.entries),
+                        key: key::encode(
+                            keys,
+                            "_",
+                            &request.domain,
+                            &planned.limit,
+                            &descriptor.entries,
+                        ),
                         params: Params::of(&planned.limit),
                         hits,
                         shadow: planned.limit.shadow,
@@ -179,7 +191,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
 
 enum Matched<'c> {
     Nothing,
-    Unlimited(Option<&'c str>),
+    Unlimited(Option<&'c str>, &'c [String]),
     Limits(Vec<PlannedLimit<'c>>),
 }
 

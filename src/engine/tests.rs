@@ -41,6 +41,10 @@ descriptors:
     rate_limits:
       - {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}
       - {unit: hour, requests_per_unit: 1000, algorithm: sliding_window_counter}
+  - key: twin
+    rate_limits:
+      - {unit: minute, requests_per_unit: 10}
+      - {unit: minute, requests_per_unit: 5, shadow_mode: true}
 "#;
 
 fn config() -> Config {
@@ -51,7 +55,10 @@ fn config() -> Config {
 }
 
 fn entries(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
 }
 
 /// The requests_per_unit of each limit a descriptor lands on; empty for no limit.
@@ -66,7 +73,8 @@ fn limits_for(config: &Config, pairs: &[(&str, &str)]) -> Vec<u32> {
 #[test]
 fn matching_follows_exact_then_wildcards_then_default_and_the_last_entry_rule() {
     let config = config();
-    let table: &[(&[(&str, &str)], &[u32])] = &[
+    type Row = (&'static [(&'static str, &'static str)], &'static [u32]);
+    let table: &[Row] = &[
         (&[("k", "exact")], &[2]),
         (&[("k", "prefix")], &[3]),
         (&[("k", "pre")], &[3]),
@@ -83,7 +91,10 @@ fn matching_follows_exact_then_wildcards_then_default_and_the_last_entry_rule() 
         (&[("parent", "p"), ("child", "c")], &[6]),
         (&[("parent", "other"), ("child", "c")], &[8]),
         (&[("parent", "p"), ("child", "special")], &[]),
-        (&[("parent", "p"), ("child", "special"), ("grandchild", "g")], &[7]),
+        (
+            &[("parent", "p"), ("child", "special"), ("grandchild", "g")],
+            &[7],
+        ),
         // Deeper than the tree.
         (&[("parent", "p"), ("child", "c"), ("extra", "e")], &[]),
         (&[("k", "exact"), ("extra", "e")], &[]),
@@ -116,9 +127,24 @@ fn several_limits_on_one_descriptor_become_several_checks() {
     let plan = plan_one(&config, descriptor, 0);
     assert_eq!(plan.decisions, [Decision::Checks(0..2)]);
     let algorithms: Vec<_> = plan.checks.iter().map(|c| c.params.algorithm).collect();
-    assert_eq!(algorithms, [Algorithm::TokenBucket, Algorithm::SlidingWindowCounter]);
+    assert_eq!(
+        algorithms,
+        [Algorithm::TokenBucket, Algorithm::SlidingWindowCounter]
+    );
     assert_eq!(plan.checks[0].params.burst, 20);
     assert_ne!(plan.checks[0].key, plan.checks[1].key);
+}
+
+#[test]
+fn limits_sharing_algorithm_and_period_have_separate_keys() {
+    let config = config();
+    let descriptor = Descriptor {
+        entries: entries(&[("twin", "t")]),
+        ..Default::default()
+    };
+    let plan = plan_one(&config, descriptor, 0);
+    let keys: Vec<&str> = plan.checks.iter().map(|c| c.key.as_str()).collect();
+    assert_eq!(keys, ["rlsd:_:d:fw:60:twin=t", "rlsd:_:d:fw:60~1:twin=t"]);
 }
 
 #[test]

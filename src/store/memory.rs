@@ -94,7 +94,10 @@ impl<C: Clock> MemoryStore<C> {
         if self.live_keys.load(Ordering::Relaxed) < self.capacity
             && self.full_reported.swap(false, Ordering::Relaxed)
         {
-            tracing::info!(live_keys = self.live_keys.load(Ordering::Relaxed), "in-process store has room again");
+            tracing::info!(
+                live_keys = self.live_keys.load(Ordering::Relaxed),
+                "in-process store has room again"
+            );
         }
         purged
     }
@@ -134,7 +137,10 @@ impl<C: Clock> MemoryStore<C> {
 
     fn try_decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let now = self.clock.now_us();
-        let shard_of: Vec<usize> = checks.iter().map(|check| self.shard_of(&check.key)).collect();
+        let shard_of: Vec<usize> = checks
+            .iter()
+            .map(|check| self.shard_of(&check.key))
+            .collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
         order.dedup();
@@ -218,7 +224,10 @@ impl<C: Clock> MemoryStore<C> {
                 .iter()
                 .enumerate()
                 .filter(|(i, check)| {
-                    !guards[guard_of(shard_of[*i])].1.entries.contains_key(check.key.as_str())
+                    !guards[guard_of(shard_of[*i])]
+                        .1
+                        .entries
+                        .contains_key(check.key.as_str())
                         && !checks[..*i].iter().any(|earlier| earlier.key == check.key)
                 })
                 .count()

@@ -45,7 +45,10 @@ pub trait Store: Send + Sync + 'static {
     /// Decides `checks` together: each check is evaluated in order (a key that appears twice
     /// sees the first one's hits), and state changes only if every non-shadow check allows.
     /// Returns one outcome per check, in order.
-    fn decide(&self, checks: &[Check]) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
+    fn decide(
+        &self,
+        checks: &[Check],
+    ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
 }
 
 /// Whether a request whose checks produced `outcomes` is allowed: every enforced check passed.

@@ -9,8 +9,7 @@ use rlsd::clock::ManualClock;
 use rlsd::config;
 use rlsd::engine::KeySettings;
 use rlsd::pb::{
-    RateLimitRequest, RateLimitServiceClient, rate_limit_descriptor::Entry,
-    RateLimitDescriptor,
+    RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient, rate_limit_descriptor::Entry,
 };
 use rlsd::server::{self, Listeners};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};

@@ -61,7 +61,11 @@ async fn overlapping_multi_key_requests_neither_deadlock_nor_over_admit() {
                 let mut ok = 0;
                 for i in 0..200 {
                     // Keys in both orders, so a naive lock order would deadlock.
-                    let (a, b) = if (t + i) % 2 == 0 { ("a", "b") } else { ("b", "a") };
+                    let (a, b) = if (t + i) % 2 == 0 {
+                        ("a", "b")
+                    } else {
+                        ("b", "a")
+                    };
                     let checks = [
                         check(a, Algorithm::FixedWindow, 500, Hits::Take(1)),
                         check(b, Algorithm::FixedWindow, 500, Hits::Take(1)),
@@ -111,10 +115,16 @@ async fn shadow_checks_never_deny() {
     shadow.shadow = true;
     let other = check("o", Algorithm::FixedWindow, 10, Hits::Take(1));
     store.decide(&[shadow.clone()]).await.expect("decide");
-    let outcomes = store.decide(&[shadow, other.clone()]).await.expect("decide");
+    let outcomes = store
+        .decide(&[shadow, other.clone()])
+        .await
+        .expect("decide");
     assert_eq!(allowed(&outcomes), [false, true]);
     let again = store.decide(&[other]).await.expect("decide");
-    assert_eq!(again[0].verdict.remaining, 8, "the request went through and counted");
+    assert_eq!(
+        again[0].verdict.remaining, 8,
+        "the request went through and counted"
+    );
 }
 
 #[tokio::test]
@@ -124,7 +134,10 @@ async fn a_key_twice_in_one_request_is_charged_twice() {
     let outcomes = store.decide(&[c.clone(), c.clone()]).await.expect("decide");
     assert_eq!(allowed(&outcomes), [true, false]);
     let outcomes = store
-        .decide(&vec![check("k", Algorithm::TokenBucket, 3, Hits::Take(1)); 3])
+        .decide(&vec![
+            check("k", Algorithm::TokenBucket, 3, Hits::Take(1));
+            3
+        ])
         .await
         .expect("decide");
     assert_eq!(allowed(&outcomes), [true, true, true]);
