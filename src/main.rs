@@ -12,9 +12,9 @@ use clap::{Parser, Subcommand};
 use rlsd::config;
 use rlsd::engine::KeySettings;
 use rlsd::server::{self, Listeners};
-use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
-use rlsd::store::MemoryStore;
+use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
+use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
 
 /// A rate limit service for Envoy.
 #[derive(Parser)]
@@ -56,6 +56,20 @@ struct ServeArgs {
     /// Rate limit headers added to responses.
     #[arg(long, env = "RLSD_HEADERS", value_enum, default_value_t = HeaderStyle::XRatelimit)]
     headers: HeaderStyle,
+    /// Keep state in Redis (`redis://[user:pass@]host:port[/db]`, `rediss://` for TLS) instead
+    /// of in process, so replicas share it.
+    #[arg(long, env = "RLSD_REDIS_URL")]
+    redis_url: Option<String>,
+    /// Longest wait for a Redis connection, in milliseconds.
+    #[arg(long, env = "RLSD_REDIS_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
+    redis_connect_timeout_ms: u64,
+    /// Longest wait for one Redis call, in milliseconds (Envoy waits 20 ms for the whole call).
+    #[arg(long, env = "RLSD_REDIS_COMMAND_TIMEOUT_MS", default_value_t = 5)]
+    redis_command_timeout_ms: u64,
+    /// The answer when the store fails: `error` (gRPC UNAVAILABLE; Envoy's
+    /// `failure_mode_deny` decides), `allow` or `deny`.
+    #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
+    failure_mode: FailureMode,
 }
 
 fn main() -> ExitCode {
@@ -105,20 +119,43 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {} and {}", args.grpc_addr, args.http_addr))?;
         let config = Arc::new(ArcSwap::from_pointee(loaded));
-        let store = Arc::new(MemoryStore::new(args.max_keys));
-        spawn_reclaimer(Arc::clone(&store));
         let settings = ServiceSettings {
             keys: KeySettings {
-                prefix: args.key_prefix,
+                prefix: args.key_prefix.clone(),
             },
             headers: args.headers,
+            failure_mode: args.failure_mode,
         };
-        let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
-        tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = "memory", "serving");
-        server::run(limiter, config, listeners, server::termination_signal()).await?;
-        tracing::info!("stopped");
-        Ok(())
+        match &args.redis_url {
+            Some(url) => {
+                let mut redis = RedisSettings::new(url.clone());
+                redis.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
+                redis.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
+                let store = Arc::new(RedisStore::connect(redis).await?);
+                serve_with(store, "redis", config, settings, listeners, &args).await
+            }
+            None => {
+                let store = Arc::new(MemoryStore::new(args.max_keys));
+                spawn_reclaimer(Arc::clone(&store));
+                serve_with(store, "memory", config, settings, listeners, &args).await
+            }
+        }
     })
+}
+
+async fn serve_with<S: Store>(
+    store: Arc<S>,
+    store_name: &str,
+    config: Arc<ArcSwap<config::Config>>,
+    settings: ServiceSettings,
+    listeners: Listeners,
+    args: &ServeArgs,
+) -> anyhow::Result<()> {
+    let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = store_name, "serving");
+    server::run(limiter, config, listeners, server::termination_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
 }
 
 /// Reclaims expired keys every second, off the async workers.

@@ -1,6 +1,7 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
@@ -44,6 +45,18 @@ impl HeaderStyle {
     }
 }
 
+/// What a request gets when the store cannot decide (Redis down or slow, memory full).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FailureMode {
+    /// gRPC UNAVAILABLE, so Envoy's own `failure_mode_deny` decides.
+    #[default]
+    Error,
+    /// OK: let traffic through.
+    Allow,
+    /// OVER_LIMIT for every limited descriptor.
+    Deny,
+}
+
 /// How the service answers, apart from the config and the store.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceSettings {
@@ -51,6 +64,17 @@ pub struct ServiceSettings {
     pub keys: KeySettings,
     /// Response headers.
     pub headers: HeaderStyle,
+    /// The answer when the store fails.
+    pub failure_mode: FailureMode,
+}
+
+/// Counters of the service's own decisions, for logs and metrics.
+#[derive(Debug, Default)]
+pub struct ServiceStats {
+    /// Requests answered by the failure mode because the store failed.
+    pub failure_mode_answers: AtomicU64,
+    /// Whether the last store call failed (logged once per change).
+    store_failing: AtomicBool,
 }
 
 /// The rate limit service over a store `S`.
@@ -58,6 +82,7 @@ pub struct RateLimiter<S> {
     config: Arc<ArcSwap<Config>>,
     store: Arc<S>,
     settings: ServiceSettings,
+    stats: Arc<ServiceStats>,
 }
 
 impl<S: Store> RateLimiter<S> {
@@ -67,7 +92,13 @@ impl<S: Store> RateLimiter<S> {
             config,
             store,
             settings,
+            stats: Arc::default(),
         }
+    }
+
+    /// The service's counters.
+    pub fn stats(&self) -> Arc<ServiceStats> {
+        Arc::clone(&self.stats)
     }
 
     /// Answers one request: validate, match, decide, assemble.
@@ -79,12 +110,67 @@ impl<S: Store> RateLimiter<S> {
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let plan = engine::plan(&config, &request, &self.settings.keys);
-        let outcomes = if plan.checks.is_empty() {
-            Vec::new()
-        } else {
-            self.store.decide(&plan.checks).await.map_err(store_error)?
+        if plan.checks.is_empty() {
+            return Ok(assemble(&plan, &[], self.settings.headers));
+        }
+        match self.store.decide(&plan.checks).await {
+            Ok(outcomes) => {
+                if self.stats.store_failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("store answering again");
+                }
+                Ok(assemble(&plan, &outcomes, self.settings.headers))
+            }
+            Err(error) => self.failure_answer(&plan, &error),
+        }
+    }
+
+    /// The configured answer when the store fails; logged when the store starts failing.
+    fn failure_answer(
+        &self,
+        plan: &Plan<'_>,
+        error: &StoreError,
+    ) -> Result<pb::RateLimitResponse, Status> {
+        self.stats
+            .failure_mode_answers
+            .fetch_add(1, Ordering::Relaxed);
+        if !self.stats.store_failing.swap(true, Ordering::Relaxed) {
+            tracing::warn!(%error, kind = error.kind(), mode = ?self.settings.failure_mode, "store failing; answering by failure mode");
+        }
+        let over = match self.settings.failure_mode {
+            FailureMode::Error => return Err(Status::unavailable(error.to_string())),
+            FailureMode::Allow => false,
+            FailureMode::Deny => true,
         };
-        Ok(assemble(&plan, &outcomes, self.settings.headers))
+        let statuses = plan
+            .decisions
+            .iter()
+            .map(|decision| match decision {
+                Decision::Checks(range) if over => {
+                    let limit = &plan.limits[range.start].limit;
+                    DescriptorStatus {
+                        code: Code::OverLimit.into(),
+                        current_limit: Some(wire_limit(limit)),
+                        limit_remaining: 0,
+                        duration_until_reset: Some(duration(MICROS_PER_SECOND)),
+                        quota: None,
+                    }
+                }
+                Decision::Unlimited => DescriptorStatus {
+                    code: Code::Ok.into(),
+                    limit_remaining: u32::MAX,
+                    ..Default::default()
+                },
+                _ => DescriptorStatus {
+                    code: Code::Ok.into(),
+                    ..Default::default()
+                },
+            })
+            .collect();
+        Ok(pb::RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+            statuses,
+            ..Default::default()
+        })
     }
 }
 
@@ -95,15 +181,6 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
         self.decide(request.into_inner()).await.map(Response::new)
-    }
-}
-
-/// The one place store failures become gRPC statuses. UNAVAILABLE lets Envoy's
-/// `failure_mode_deny` decide.
-fn store_error(error: StoreError) -> Status {
-    tracing::debug!(%error, "store failed");
-    match error {
-        StoreError::Full { .. } => Status::unavailable(error.to_string()),
     }
 }
 
@@ -202,6 +279,14 @@ fn wire_unit(unit: Unit) -> WireUnit {
     }
 }
 
+fn wire_limit(limit: &crate::limit::Limit) -> RateLimit {
+    RateLimit {
+        name: limit.name.clone().unwrap_or_default(),
+        requests_per_unit: limit.requests_per_unit,
+        unit: wire_unit(limit.period.unit).into(),
+    }
+}
+
 /// A descriptor status with the limit that decided it, kept for the headers.
 struct Reported {
     status: DescriptorStatus,
@@ -265,11 +350,7 @@ fn report(plan: &Plan<'_>, outcomes: &[Outcome], range: std::ops::Range<usize>) 
     Reported {
         status: DescriptorStatus {
             code: if denied { Code::OverLimit } else { Code::Ok }.into(),
-            current_limit: Some(RateLimit {
-                name: limit.name.clone().unwrap_or_default(),
-                requests_per_unit: limit.requests_per_unit,
-                unit: wire_unit(limit.period.unit).into(),
-            }),
+            current_limit: Some(wire_limit(limit)),
             limit_remaining: u32::try_from(verdict.remaining).unwrap_or(u32::MAX),
             duration_until_reset: Some(duration(verdict.reset_us)),
             quota: None,

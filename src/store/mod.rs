@@ -1,12 +1,14 @@
 //! Where counters live. A store decides every check of one request atomically: all or nothing.
 
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 
 use crate::algorithm::{Hits, Params, Verdict};
 
 pub use memory::{MemoryStore, MemoryStoreStats};
+pub use redis::{RedisSettings, RedisStore};
 
 /// One limit to check for one request: the store sees keys and numbers, never descriptors.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,9 +40,34 @@ pub enum StoreError {
         /// The configured cap.
         capacity: usize,
     },
+    /// The store could not be reached or refused the command.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The store did not answer in time.
+    #[error("store did not answer within {0:?}")]
+    Timeout(std::time::Duration),
+    /// The store answered something rlsd cannot read.
+    #[error("store protocol error: {0}")]
+    Protocol(String),
+    /// The store cannot be set up as configured.
+    #[error("{0}")]
+    Config(String),
 }
 
-/// A place to decide checks. Implementations: [`MemoryStore`] (default).
+impl StoreError {
+    /// A short stable name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Full { .. } => "full",
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Protocol(_) => "protocol",
+            StoreError::Config(_) => "config",
+        }
+    }
+}
+
+/// A place to decide checks. Implementations: [`MemoryStore`] (default), [`RedisStore`].
 pub trait Store: Send + Sync + 'static {
     /// Decides `checks` together: each check is evaluated in order (a key that appears twice
     /// sees the first one's hits), and state changes only if every non-shadow check allows.

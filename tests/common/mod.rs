@@ -1,5 +1,7 @@
-//! Starts a real rlsd server on loopback ports for integration tests.
+//! Starts a real rlsd server (and, for Redis tests, a real redis-server) on loopback ports.
 #![allow(dead_code)]
+
+pub mod redis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,6 +49,7 @@ impl TestServer {
         let settings = ServiceSettings {
             keys: KeySettings::default(),
             headers,
+            failure_mode: Default::default(),
         };
         let limiter = RateLimiter::new(Arc::clone(&config), Arc::clone(&store), settings);
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("address");

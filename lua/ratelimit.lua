@@ -1,0 +1,441 @@
+-- rlsd: decide every check of one request atomically. A Lua mirror of src/algorithm.rs: the
+-- same formulas in the same order, so both stores give bit-identical answers.
+--
+-- KEYS[i]   state key of check i (a key may repeat: the later check sees the earlier's hits)
+-- ARGV[1]   now in microseconds, or "" to read Redis TIME (the only clock replicas share;
+--           tests pass a fixed value)
+-- ARGV[1 + 7(i-1) + 1 .. 7]  per check: algorithm (fw|swl|swc|tb|gcra), limit L, period P (µs),
+--           burst B, mode (t take | p peek | r refund), hits n, shadow (1 or 0)
+-- Reply: per check {allowed 0/1, remaining, reset µs}; state is written only if every
+-- non-shadow check allows. When the request is denied, allowed checks report the remaining
+-- they still have (nothing was taken).
+
+local SLACK = 1000000
+local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+
+-- Integer division of non-negative integers, immune to float rounding near a multiple.
+local function idiv(a, b)
+  local q = floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+local function round_up_ms(us)
+  return idiv(us + 999, 1000) * 1000
+end
+
+local function split(text)
+  local parts = {}
+  for part in string.gmatch(text, '%S+') do
+    parts[#parts + 1] = tonumber(part)
+  end
+  return parts
+end
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+-- Loading state ---------------------------------------------------------------------------
+
+local function load(key, alg, now, p)
+  if alg == 'swl' then
+    local horizon = now - p
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local st = { key = key, horizon = horizon, adds = {}, removed = 0 }
+    st.stored = redis.call('ZCOUNT', key, '(' .. fmt(horizon), '+inf')
+    if newest[1] then
+      st.newest = tonumber(newest[2])
+    end
+    return st
+  end
+  local raw = redis.call('GET', key)
+  if not raw then
+    return false
+  end
+  local v = split(raw)
+  if alg == 'fw' then
+    return { window = v[1], count = v[2] }
+  elseif alg == 'swc' then
+    return { window = v[1], current = v[2], previous = v[3] }
+  elseif alg == 'tb' then
+    return { tokens = v[1], updated = v[2] }
+  else
+    return { tat = v[1] }
+  end
+end
+
+-- The algorithms: each returns allowed, remaining, reset, new state (or nil), ttl ----------
+
+local function fixed_window(c, st, now, want, take)
+  local l, p = c.l, c.p
+  local window, count = idiv(now, p), 0
+  if st and st.window >= window then
+    window, count = st.window, st.count
+  end
+  local reset = max(0, (window + 1) * p - now)
+  if count + want <= l then
+    count = count + take
+    return true, l - count, reset, { window = window, count = count }, reset + SLACK
+  end
+  return false, max(0, l - count), reset
+end
+
+-- Sliding log state: members `<ts>:<k>` in Redis (k counts hits at one instant), plus hits
+-- added or removed earlier in this request and not yet written.
+local function log_live(st)
+  local n = st.stored - st.removed
+  for _, add in ipairs(st.adds) do
+    n = n + add.count
+  end
+  return n
+end
+
+local function log_newest(st)
+  local last = st.adds[#st.adds]
+  if last then
+    return last.ts
+  end
+  if st.removed > 0 then
+    local rank = -(st.removed + 1)
+    local member = redis.call('ZRANGE', st.key, rank, rank, 'WITHSCORES')
+    return tonumber(member[2])
+  end
+  return st.newest
+end
+
+local function log_nth_oldest_ts(st, k)
+  local stored = st.stored - st.removed
+  if k <= stored then
+    local member = redis.call('ZRANGEBYSCORE', st.key, '(' .. fmt(st.horizon), '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
+    return tonumber(member[2])
+  end
+  k = k - stored
+  for _, add in ipairs(st.adds) do
+    if add.count >= k then
+      return add.ts
+    end
+    k = k - add.count
+  end
+  return log_newest(st)
+end
+
+local function copy_log(st)
+  local adds = {}
+  for i, add in ipairs(st.adds) do
+    adds[i] = { ts = add.ts, count = add.count }
+  end
+  return { key = st.key, horizon = st.horizon, stored = st.stored, removed = st.removed,
+           newest = st.newest, adds = adds }
+end
+
+local function sliding_log(c, st, now, want, take)
+  local l, p = c.l, c.p
+  local n = log_live(st)
+  if n + want <= l then
+    local newest = log_newest(st)
+    local at = newest and max(newest, now) or now
+    local new = copy_log(st)
+    if take > 0 then
+      local last = new.adds[#new.adds]
+      if last and last.ts == at then
+        last.count = last.count + take
+      else
+        new.adds[#new.adds + 1] = { ts = at, count = take }
+      end
+    end
+    local live_newest = log_newest(new)
+    local reset = 0
+    if live_newest and (now < p or live_newest > now - p) then
+      reset = max(0, live_newest + p - now)
+    end
+    return true, l - n - take, reset, new, p + SLACK
+  end
+  local ts = log_nth_oldest_ts(st, n + want - l)
+  return false, max(0, l - n), max(0, ts + p - now)
+end
+
+local function sliding_counter_wait(l, p, now, window, current, previous, want)
+  local pf = p
+  local function solve(count, base)
+    local room = l - base
+    if room < 0 then
+      return nil
+    end
+    if count == 0 then
+      return 0
+    end
+    return max(0, pf - room * pf / count)
+  end
+  local e = solve(previous, current + want)
+  if e and e < pf then
+    return max(0, window * p + ceil(e) - now)
+  end
+  e = solve(current, want)
+  if e and e < pf then
+    return max(0, (window + 1) * p + ceil(e) - now)
+  end
+  return (window + 2) * p - now
+end
+
+local function sliding_counter(c, st, now, want, take)
+  local l, p = c.l, c.p
+  local window = idiv(now, p)
+  local current, previous = 0, 0
+  if st then
+    if st.window >= window then
+      now = max(now, st.window * p)
+      window, current, previous = st.window, st.current, st.previous
+    elseif st.window + 1 == window then
+      previous = st.current
+    end
+  end
+  local elapsed = now - window * p
+  local weight = (p - elapsed) / p
+  local estimate = previous * weight + current
+  local window_end = (window + 1) * p
+  if estimate + want <= l then
+    current = current + take
+    local reset = 0
+    if current > 0 then
+      reset = window_end + p - now
+    elseif previous > 0 then
+      reset = window_end - now
+    end
+    return true, floor(l - estimate - take), reset,
+      { window = window, current = current, previous = previous }, 2 * p + SLACK
+  end
+  local reset = max(1, sliding_counter_wait(l, p, now, window, current, previous, want))
+  return false, floor(max(0, l - estimate)), reset
+end
+
+local function refilled_bucket(c, st, now)
+  if st then
+    local elapsed = max(0, now - st.updated)
+    local refill = elapsed * c.l / c.p
+    return min(c.b, st.tokens + refill), max(now, st.updated)
+  end
+  return c.b, now
+end
+
+local function bucket_ttl(c, tokens)
+  local missing = max(0, c.b - tokens)
+  return ceil(missing * c.p / c.l) + SLACK
+end
+
+local function token_bucket(c, st, now, want, take)
+  local tokens, updated = refilled_bucket(c, st, now)
+  local rate_inverse = c.p / c.l
+  if tokens >= want then
+    tokens = tokens - take
+    local missing = max(0, c.b - tokens)
+    return true, floor(tokens), ceil(missing * rate_inverse),
+      { tokens = tokens, updated = updated }, bucket_ttl(c, tokens)
+  end
+  return false, floor(tokens), ceil((want - tokens) * rate_inverse)
+end
+
+local function emission_interval(c)
+  return max(1, idiv(c.p, max(c.l, 1)))
+end
+
+local function gcra(c, st, now, want, take)
+  local t = emission_interval(c)
+  local tau = max(0, c.b - 1) * t
+  local tat0 = now
+  if st then
+    tat0 = max(st.tat, now)
+  end
+  if now + tau + t >= tat0 + want * t then
+    local new_tat = tat0 + take * t
+    return true, idiv(now + tau + t - new_tat, t), new_tat - now, { tat = new_tat }, new_tat - now + SLACK
+  end
+  local allow_at = tat0 + want * t - tau - t
+  local remaining = idiv(max(0, now + tau + t - tat0), t)
+  return false, min(remaining, c.b), allow_at - now
+end
+
+local ALGORITHMS = { fw = fixed_window, swl = sliding_log, swc = sliding_counter, tb = token_bucket, gcra = gcra }
+
+-- Refunds ----------------------------------------------------------------------------------
+
+local function refunded(c, st, now, n)
+  local p = c.p
+  if c.alg == 'fw' then
+    return { window = st.window, count = max(0, st.count - n) }, max(0, (st.window + 1) * p - now) + SLACK
+  elseif c.alg == 'swl' then
+    local new = copy_log(st)
+    local left = n
+    while left > 0 and #new.adds > 0 do
+      local last = new.adds[#new.adds]
+      local give = min(last.count, left)
+      last.count = last.count - give
+      left = left - give
+      if last.count == 0 then
+        new.adds[#new.adds] = nil
+      end
+    end
+    new.removed = min(new.stored, new.removed + left)
+    return new, p + SLACK
+  elseif c.alg == 'swc' then
+    return { window = st.window, current = max(0, st.current - n), previous = st.previous }, 2 * p + SLACK
+  elseif c.alg == 'tb' then
+    local tokens, updated = refilled_bucket(c, st, now)
+    tokens = min(tokens + n, c.b)
+    return { tokens = tokens, updated = updated }, bucket_ttl(c, tokens)
+  else
+    local tat = max(max(0, st.tat - n * emission_interval(c)), now)
+    return { tat = tat }, tat - now + SLACK
+  end
+end
+
+-- One check --------------------------------------------------------------------------------
+
+local function has_state(c, st)
+  if c.alg == 'swl' then
+    return st.stored > 0 or #st.adds > 0
+  end
+  return st ~= false
+end
+
+local function run(c, st, now, want, take)
+  local state = st
+  if c.alg ~= 'swl' and st == false then
+    state = nil
+  end
+  local allowed, remaining, reset, new, ttl = ALGORITHMS[c.alg](c, state, now, want, take)
+  local unconsumed = remaining
+  if allowed then
+    unconsumed = remaining + take
+  end
+  if not allowed or take == 0 then
+    new = nil
+  end
+  return { allowed = allowed, remaining = remaining, reset = round_up_ms(reset), unconsumed = unconsumed, state = new, ttl = ttl }
+end
+
+local function assess(c, st, now)
+  if c.l == 0 then
+    local allowed = c.mode == 'r'
+    return { allowed = allowed, remaining = 0, reset = round_up_ms(c.p), unconsumed = 0 }
+  end
+  if c.mode == 'p' then
+    return run(c, st, now, 1, 0)
+  elseif c.mode == 'r' then
+    local before = run(c, st, now, 0, 0)
+    if not has_state(c, st) then
+      before.unconsumed = before.remaining
+      return before
+    end
+    local new, ttl = refunded(c, st, now, c.n)
+    local after = run(c, new, now, 0, 0)
+    after.unconsumed = before.remaining
+    after.state, after.ttl = new, ttl
+    return after
+  end
+  local capacity = c.l
+  if c.alg == 'tb' or c.alg == 'gcra' then
+    capacity = c.b
+  end
+  if c.n > capacity then
+    local idle = run(c, st, now, 0, 0)
+    return { allowed = false, remaining = idle.remaining, reset = round_up_ms(c.p), unconsumed = idle.remaining }
+  end
+  return run(c, st, now, c.n, c.n)
+end
+
+-- Writing state ----------------------------------------------------------------------------
+
+local function store(c, key, st, ttl, now)
+  ttl = max(1, ceil(ttl / 1000))
+  if c.alg == 'swl' then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(st.horizon))
+    if st.removed > 0 then
+      redis.call('ZREMRANGEBYRANK', key, -st.removed, -1)
+    end
+    -- Member names continue after the newest member at the same instant, so none collide.
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local newest_ts, newest_k = tonumber(newest[2]), tonumber(newest[1] and string.match(newest[1], ':(%d+)$'))
+    for _, add in ipairs(st.adds) do
+      local first = 1
+      if newest_ts and add.ts == newest_ts then
+        first = newest_k + 1
+      end
+      local args = {}
+      for k = first, first + add.count - 1 do
+        args[#args + 1] = fmt(add.ts)
+        args[#args + 1] = string.format('%d:%010d', add.ts, k)
+      end
+      -- ZADD takes up to a few thousand members per call comfortably; L bounds add.count.
+      redis.call('ZADD', key, unpack(args))
+      newest_ts, newest_k = add.ts, first + add.count - 1
+    end
+    redis.call('PEXPIRE', key, ttl)
+  elseif c.alg == 'fw' then
+    redis.call('SET', key, string.format('%d %d', st.window, st.count), 'PX', ttl)
+  elseif c.alg == 'swc' then
+    redis.call('SET', key, string.format('%d %d %d', st.window, st.current, st.previous), 'PX', ttl)
+  elseif c.alg == 'tb' then
+    redis.call('SET', key, fmt(st.tokens) .. ' ' .. string.format('%d', st.updated), 'PX', ttl)
+  else
+    redis.call('SET', key, string.format('%d', st.tat), 'PX', ttl)
+  end
+end
+
+-- Entry ------------------------------------------------------------------------------------
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
+
+local states, checks, results = {}, {}, {}
+local allowed_all = true
+for i, key in ipairs(KEYS) do
+  local a = 1 + 7 * (i - 1)
+  local c = { alg = ARGV[a + 1], l = tonumber(ARGV[a + 2]), p = tonumber(ARGV[a + 3]),
+              b = tonumber(ARGV[a + 4]), mode = ARGV[a + 5], n = tonumber(ARGV[a + 6]),
+              shadow = ARGV[a + 7] == '1' }
+  checks[i] = c
+  local st = states[key]
+  if st == nil then
+    st = load(key, c.alg, now, c.p)
+    states[key] = st
+  end
+  local result = assess(c, st, now)
+  results[i] = result
+  if result.state then
+    states[key] = result.state
+  end
+  if not result.allowed and not c.shadow then
+    allowed_all = false
+  end
+end
+
+-- Write each key once, with its final state (a key checked twice carries both checks' hits).
+local reply, written = {}, {}
+for i = #KEYS, 1, -1 do
+  local result, key = results[i], KEYS[i]
+  if allowed_all and result.state and not written[key] then
+    written[key] = true
+    store(checks[i], key, result.state, result.ttl, now)
+  end
+end
+for i = 1, #KEYS do
+  local result = results[i]
+  local remaining = result.remaining
+  if not allowed_all and result.allowed then
+    remaining = result.unconsumed
+  end
+  reply[#reply + 1] = result.allowed and 1 or 0
+  reply[#reply + 1] = remaining
+  reply[#reply + 1] = result.reset
+end
+return reply
