@@ -15,7 +15,7 @@ use rlsd::pb::{
 };
 use rlsd::server::{self, Listeners};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
-use rlsd::store::MemoryStore;
+use rlsd::store::{MemoryStore, Store};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
@@ -27,9 +27,46 @@ pub struct TestServer {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     pub clock: ManualClock,
+    /// The in-process store, when the server runs on one.
     pub store: Arc<MemoryStore<ManualClock>>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Parses one config file's text into a live config.
+pub fn live_config(yaml: &str) -> Arc<ArcSwap<config::Config>> {
+    let domain = config::load_str("test.yaml", yaml).expect("test config is valid");
+    let mut loaded = config::Config::default();
+    loaded.domains.insert(domain.name.clone(), domain);
+    Arc::new(ArcSwap::from_pointee(loaded))
+}
+
+/// Serves `yaml` from `store` on loopback ports; returns the addresses and a stop handle.
+pub async fn spawn_server<S: Store>(
+    yaml: &str,
+    store: Arc<S>,
+    settings: ServiceSettings,
+) -> (
+    SocketAddr,
+    SocketAddr,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let config = live_config(yaml);
+    let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
+    let loopback: SocketAddr = "127.0.0.1:0".parse().expect("address");
+    let listeners = Listeners::bind(loopback, loopback).await.expect("bind");
+    let grpc = listeners.grpc.local_addr().expect("grpc addr");
+    let http = listeners.http.local_addr().expect("http addr");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        server::run(limiter, config, listeners, async {
+            let _ = stopped.await;
+        })
+        .await
+        .expect("server runs");
+    });
+    (grpc, http, stop, task)
 }
 
 impl TestServer {
@@ -40,10 +77,6 @@ impl TestServer {
 
     /// Serves `yaml` with the given header style and key cap.
     pub async fn start_with(yaml: &str, headers: HeaderStyle, max_keys: usize) -> TestServer {
-        let domain = config::load_str("test.yaml", yaml).expect("test config is valid");
-        let mut loaded = config::Config::default();
-        loaded.domains.insert(domain.name.clone(), domain);
-        let config = Arc::new(ArcSwap::from_pointee(loaded));
         let clock = ManualClock::at(T0);
         let store = Arc::new(MemoryStore::with_clock(max_keys, clock.clone()));
         let settings = ServiceSettings {
@@ -51,19 +84,7 @@ impl TestServer {
             headers,
             failure_mode: Default::default(),
         };
-        let limiter = RateLimiter::new(Arc::clone(&config), Arc::clone(&store), settings);
-        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("address");
-        let listeners = Listeners::bind(loopback, loopback).await.expect("bind");
-        let grpc = listeners.grpc.local_addr().expect("grpc addr");
-        let http = listeners.http.local_addr().expect("http addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            server::run(limiter, config, listeners, async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("server runs");
-        });
+        let (grpc, http, stop, task) = spawn_server(yaml, Arc::clone(&store), settings).await;
         TestServer {
             grpc,
             http,

@@ -1,0 +1,256 @@
+//! rlsd with the Redis store, over real gRPC and a real redis-server the test starts: exactness
+//! across replicas, TTLs, NOSCRIPT recovery, and outages.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{descriptor, request, spawn_server};
+use rlsd::engine::KeySettings;
+use rlsd::limit::Algorithm;
+use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::rate_limit_response::Code;
+use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
+use rlsd::store::{RedisSettings, RedisStore};
+use tonic::transport::Channel;
+
+const EXACT: &str = r#"
+domain: exact
+descriptors:
+  - key: algorithm
+    value: fixed_window
+    rate_limit: {unit: day, requests_per_unit: 500, algorithm: fixed_window}
+  - key: algorithm
+    value: sliding_window_log
+    rate_limit: {unit: day, requests_per_unit: 500, algorithm: sliding_window_log}
+  - key: algorithm
+    value: sliding_window_counter
+    rate_limit: {unit: day, requests_per_unit: 500, algorithm: sliding_window_counter}
+  - key: algorithm
+    value: token_bucket
+    rate_limit: {unit: day, requests_per_unit: 500, algorithm: token_bucket}
+  - key: algorithm
+    value: gcra
+    rate_limit: {unit: day, requests_per_unit: 500, algorithm: gcra, burst: 500}
+"#;
+
+struct Rlsd {
+    grpc: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Rlsd {
+    async fn start(
+        yaml: &str,
+        url: &str,
+        failure_mode: FailureMode,
+        command_timeout: Duration,
+    ) -> Rlsd {
+        let mut redis = RedisSettings::new(url);
+        redis.command_timeout = command_timeout;
+        redis.connect_timeout = Duration::from_millis(200);
+        let store = Arc::new(RedisStore::connect(redis).await.expect("valid url"));
+        let settings = ServiceSettings {
+            keys: KeySettings::default(),
+            headers: HeaderStyle::XRatelimit,
+            failure_mode,
+        };
+        let (grpc, _http, stop, task) = spawn_server(yaml, store, settings).await;
+        Rlsd { grpc, stop, task }
+    }
+
+    async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("connect")
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.expect("server task");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
+    let redis = RedisServer::start();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(
+            Rlsd::start(
+                EXACT,
+                &redis.url(),
+                FailureMode::Error,
+                Duration::from_secs(2),
+            )
+            .await,
+        );
+    }
+    let mut clients = Vec::new();
+    for replica in &replicas {
+        clients.push(replica.client().await);
+    }
+    for algorithm in Algorithm::ALL {
+        let tasks: Vec<_> = (0..100)
+            .map(|i| {
+                let mut client = clients[i % 3].clone();
+                tokio::spawn(async move {
+                    let mut ok = 0;
+                    for _ in 0..10 {
+                        let req = request(
+                            "exact",
+                            vec![descriptor(&[("algorithm", algorithm.name())])],
+                        );
+                        let response = client
+                            .should_rate_limit(req)
+                            .await
+                            .expect("answer")
+                            .into_inner();
+                        ok += usize::from(response.overall_code == Code::Ok as i32);
+                    }
+                    ok
+                })
+            })
+            .collect();
+        let mut allowed = 0;
+        for task in tasks {
+            allowed += task.await.expect("task");
+        }
+        assert_eq!(
+            allowed, 500,
+            "{algorithm}: 1000 requests from 100 clients over 3 replicas"
+        );
+    }
+
+    // Every key the run wrote has an expiry.
+    let keys = redis.cli(&["--scan"]).expect("scan");
+    let keys: Vec<&str> = keys.lines().collect();
+    assert_eq!(keys.len(), 5, "{keys:?}");
+    for key in keys {
+        let ttl: i64 = redis
+            .cli(&["PTTL", key])
+            .expect("pttl")
+            .parse()
+            .expect("number");
+        assert!(ttl > 0, "{key} has no TTL ({ttl})");
+        // The longest-lived is the sliding counter's: two periods plus a second.
+        assert!(
+            ttl <= 2 * 86_400_000 + 1_000,
+            "{key}: TTL {ttl} ms is longer than any algorithm needs"
+        );
+    }
+    for replica in replicas {
+        replica.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_mid_run_fails_no_request() {
+    let redis = RedisServer::start();
+    let rlsd = Rlsd::start(
+        EXACT,
+        &redis.url(),
+        FailureMode::Error,
+        Duration::from_secs(2),
+    )
+    .await;
+    let client = rlsd.client().await;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut answered = 0;
+                for _ in 0..150 {
+                    let req = request("exact", vec![descriptor(&[("algorithm", "gcra")])]);
+                    client
+                        .should_rate_limit(req)
+                        .await
+                        .expect("no request fails");
+                    answered += 1;
+                }
+                answered
+            })
+        })
+        .collect();
+    for _ in 0..10 {
+        assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut answered = 0;
+    for task in tasks {
+        answered += task.await.expect("task");
+    }
+    assert_eq!(answered, 1200);
+    rlsd.stop().await;
+}
+
+/// Asks once and says how long the answer took.
+async fn timed_ask(
+    client: &mut RateLimitServiceClient<Channel>,
+) -> (Result<Code, tonic::Code>, Duration) {
+    let started = Instant::now();
+    let req = request("exact", vec![descriptor(&[("algorithm", "fixed_window")])]);
+    let answer = client
+        .should_rate_limit(req)
+        .await
+        .map(|response| Code::try_from(response.into_inner().overall_code).expect("known code"))
+        .map_err(|status| status.code());
+    (answer, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_gets_the_failure_mode_answer_and_service_resumes_after_restart() {
+    let mut redis = RedisServer::start();
+    let timeout = Duration::from_millis(100);
+    let modes = [
+        (FailureMode::Error, Err(tonic::Code::Unavailable)),
+        (FailureMode::Allow, Ok(Code::Ok)),
+        (FailureMode::Deny, Ok(Code::OverLimit)),
+    ];
+    let mut servers = Vec::new();
+    for (mode, expected) in modes {
+        let rlsd = Rlsd::start(EXACT, &redis.url(), mode, timeout).await;
+        let mut client = rlsd.client().await;
+        assert_eq!(
+            timed_ask(&mut client).await.0,
+            Ok(Code::Ok),
+            "{mode:?} before the outage"
+        );
+        servers.push((rlsd, client, expected, mode));
+    }
+
+    redis.kill();
+    for (_, client, expected, mode) in &mut servers {
+        for _ in 0..5 {
+            let (answer, took) = timed_ask(client).await;
+            assert_eq!(answer, *expected, "{mode:?} while redis is down");
+            // A hang detector, not a speed claim: the bound is ten times the timeout.
+            assert!(took < timeout * 10, "{mode:?}: answer took {took:?}");
+        }
+    }
+
+    redis.restart();
+    for (_, client, _, mode) in &mut servers {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if timed_ask(client).await.0 == Ok(Code::Ok) {
+                // Answered by Redis again, not by the failure mode: the counter moved.
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{mode:?}: service did not resume after restart"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let keys = redis.cli(&["--scan"]).expect("scan");
+    assert!(!keys.is_empty(), "state is written to the restarted redis");
+    for (rlsd, ..) in servers {
+        rlsd.stop().await;
+    }
+}
