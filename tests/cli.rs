@@ -154,3 +154,61 @@ fn serve_answers_health_and_stops_cleanly_on_sigterm() {
         .expect("read");
     assert!(stderr.contains("SIGTERM received"), "{stderr}");
 }
+
+#[path = "common/redis.rs"]
+mod redis_server;
+
+#[test]
+fn serve_with_redis_url_loads_the_script_at_start() {
+    let redis = redis_server::RedisServer::start();
+    let (grpc, http) = (free_port(), free_port());
+    let mut child = Command::new(RLSD)
+        .args([
+            "serve",
+            "--config",
+            "examples/three-layer.yaml",
+            "--redis-url",
+            &redis.url(),
+        ])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .args(["--key-prefix", "cli-test"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http_get(http, "/healthcheck").is_none() {
+        assert!(Instant::now() < deadline, "rlsd did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The script was loaded at start.
+    let sha_loaded = redis
+        .cli(&["SCRIPT", "EXISTS", &script_sha()])
+        .expect("script exists");
+    assert_eq!(sha_loaded, "1");
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "{status:?}");
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("read");
+    assert!(stderr.contains("store=\"redis\""), "{stderr}");
+}
+
+fn script_sha() -> String {
+    // redis-cli computes nothing for us; ask a scratch redis for the SHA of the embedded script.
+    let scratch = redis_server::RedisServer::start();
+    scratch
+        .cli(&["SCRIPT", "LOAD", include_str!("../lua/ratelimit.lua")])
+        .expect("load")
+}
