@@ -1,4 +1,5 @@
-//! The admin HTTP port: `/healthcheck` and `/rlconfig`, as envoyproxy/ratelimit serves them.
+//! The admin HTTP port: `/healthcheck`, `/metrics` and `/rlconfig`, as envoyproxy/ratelimit
+//! serves them.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -6,20 +7,56 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use axum::Router;
 use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::config::{Config, Level, Policy};
+use crate::metrics::Metrics;
+use crate::server::Health;
 
-/// The admin routes over the live config.
-pub fn router(config: Arc<ArcSwap<Config>>) -> Router {
-    Router::new()
-        .route("/healthcheck", get(|| async { "OK" }))
-        .route("/rlconfig", get(rlconfig))
-        .with_state(config)
+/// What the admin routes read.
+#[derive(Clone)]
+pub struct AdminState {
+    /// The live config.
+    pub config: Arc<ArcSwap<Config>>,
+    /// Every metric.
+    pub metrics: Arc<Metrics>,
+    /// Draining and store health.
+    pub health: Arc<Health>,
 }
 
-async fn rlconfig(State(config): State<Arc<ArcSwap<Config>>>) -> String {
-    describe(&config.load())
+/// The admin routes.
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/healthcheck", get(healthcheck))
+        .route("/metrics", get(metrics))
+        .route("/rlconfig", get(rlconfig))
+        .with_state(state)
+}
+
+async fn healthcheck(State(state): State<AdminState>) -> (StatusCode, &'static str) {
+    if state.health.draining() {
+        (StatusCode::INTERNAL_SERVER_ERROR, "draining")
+    } else if !state.health.store_ok() {
+        (StatusCode::INTERNAL_SERVER_ERROR, "store unreachable")
+    } else {
+        (StatusCode::OK, "OK")
+    }
+}
+
+async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+}
+
+async fn rlconfig(State(state): State<AdminState>) -> String {
+    describe(&state.config.load())
 }
 
 /// One line per configured limit: `<path>: <limit>`, sorted, as `rlsd check` prints it.

@@ -16,6 +16,7 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod limit;
+pub mod metrics;
 pub mod pb;
 pub mod server;
 pub mod service;

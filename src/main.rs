@@ -11,7 +11,8 @@ use arc_swap::ArcSwap;
 use clap::{Parser, Subcommand};
 use rlsd::config;
 use rlsd::engine::KeySettings;
-use rlsd::server::{self, Listeners};
+use rlsd::metrics::{DEFAULT_NEAR_LIMIT_RATIO, Metrics};
+use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
@@ -70,6 +71,12 @@ struct ServeArgs {
     /// `failure_mode_deny` decides), `allow` or `deny`.
     #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
     failure_mode: FailureMode,
+    /// On SIGTERM/SIGINT: seconds to keep answering with health NOT_SERVING before closing.
+    #[arg(long, env = "RLSD_DRAIN_SECONDS", default_value_t = 0.0)]
+    drain_seconds: f64,
+    /// Usage ratio above which allowed hits also count in `near_limit`.
+    #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO)]
+    near_limit_ratio: f64,
 }
 
 fn main() -> ExitCode {
@@ -152,9 +159,22 @@ async fn serve_with<S: Store>(
     listeners: Listeners,
     args: &ServeArgs,
 ) -> anyhow::Result<()> {
-    let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
+    let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
+    metrics.config_load_success.inc();
+    let limiter = RateLimiter::new(Arc::clone(&config), store, settings).with_metrics(metrics);
+    let options = ServeOptions {
+        drain: Duration::try_from_secs_f64(args.drain_seconds)
+            .context("--drain-seconds must be a non-negative number")?,
+    };
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = store_name, "serving");
-    server::run(limiter, config, listeners, server::termination_signal()).await?;
+    server::run_with(
+        limiter,
+        config,
+        listeners,
+        options,
+        server::termination_signal(),
+    )
+    .await?;
     tracing::info!("stopped");
     Ok(())
 }

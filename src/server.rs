@@ -1,19 +1,27 @@
-//! Listeners, the admin HTTP port, and shutdown. `main` calls [`run`]; tests call it too.
+//! Listeners, health, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
+use tonic_health::server::HealthReporter;
 
 use crate::config::Config;
-use crate::http;
+use crate::http::{self, AdminState};
 use crate::pb::RateLimitServiceServer;
 use crate::service::RateLimiter;
 use crate::store::Store;
+
+/// The gRPC health service names rlsd answers for, besides "" (the whole server).
+const HEALTH_SERVICES: [&str; 2] = ["ratelimit", "envoy.service.ratelimit.v3.RateLimitService"];
+
+/// How often the store's health is probed.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +38,7 @@ pub enum ServerError {
 pub struct Listeners {
     /// gRPC `RateLimitService` (Envoy's port, 8081 by default).
     pub grpc: TcpListener,
-    /// Admin HTTP: `/healthcheck`, `/rlconfig` (8080 by default).
+    /// Admin HTTP: `/healthcheck`, `/metrics`, `/rlconfig` (8080 by default).
     pub http: TcpListener,
 }
 
@@ -47,7 +55,48 @@ impl Listeners {
     }
 }
 
-/// Serves `limiter` until `shutdown` completes, then stops accepting and lets in-flight calls end.
+/// What the server reports about itself: draining, and whether its store answers.
+#[derive(Debug)]
+pub struct Health {
+    draining: AtomicBool,
+    store_ok: AtomicBool,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            draining: AtomicBool::new(false),
+            store_ok: AtomicBool::new(true),
+        }
+    }
+}
+
+impl Health {
+    /// Whether the server should receive traffic.
+    pub fn serving(&self) -> bool {
+        !self.draining() && self.store_ok()
+    }
+
+    /// Whether a shutdown is under way.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether the store answered its last probe.
+    pub fn store_ok(&self) -> bool {
+        self.store_ok.load(Ordering::Relaxed)
+    }
+}
+
+/// Server behaviour beyond the sockets.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServeOptions {
+    /// After the shutdown signal: how long to keep answering, with health NOT_SERVING, so
+    /// load balancers and Envoy stop sending before the listeners close.
+    pub drain: Duration,
+}
+
+/// Serves `limiter` until `shutdown` completes, with no drain period.
 ///
 /// # Errors
 /// When a listener fails.
@@ -57,27 +106,102 @@ pub async fn run<S: Store>(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    run_with(
+        limiter,
+        config,
+        listeners,
+        ServeOptions::default(),
+        shutdown,
+    )
+    .await
+}
+
+/// Serves `limiter` until `shutdown` completes; then turns health NOT_SERVING, keeps answering
+/// for `options.drain`, stops accepting, and lets in-flight calls finish.
+///
+/// # Errors
+/// When a listener fails.
+pub async fn run_with<S: Store>(
+    limiter: RateLimiter<S>,
+    config: Arc<ArcSwap<Config>>,
+    listeners: Listeners,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let health = Arc::new(Health::default());
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    set_grpc_health(&reporter, true).await;
+    let metrics = limiter.metrics();
+    let store = limiter.store();
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         // An error means the sender is gone, which also means stop.
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
+    let prober = {
+        let (health, reporter, metrics) =
+            (Arc::clone(&health), reporter.clone(), Arc::clone(&metrics));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEALTH_INTERVAL);
+            loop {
+                tick.tick().await;
+                let ok = store.healthy().await;
+                store.report(&metrics);
+                if health.store_ok.swap(ok, Ordering::Relaxed) != ok {
+                    tracing::warn!(store = store.name(), healthy = ok, "store health changed");
+                    if !health.draining() {
+                        set_grpc_health(&reporter, ok).await;
+                    }
+                }
+            }
+        })
+    };
+    {
+        let (health, reporter) = (Arc::clone(&health), reporter.clone());
+        tokio::spawn(async move {
+            shutdown.await;
+            health.draining.store(true, Ordering::Relaxed);
+            set_grpc_health(&reporter, false).await;
+            if !options.drain.is_zero() {
+                tracing::info!(drain = ?options.drain, "draining: health is NOT_SERVING, still answering");
+                tokio::time::sleep(options.drain).await;
+            }
+            tracing::info!("closing listeners; waiting for calls in flight");
+            let _ = stop_tx.send(true);
+        });
+    }
 
     let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health_service)
         .add_service(RateLimitServiceServer::new(limiter))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
-    let admin =
-        axum::serve(listeners.http, http::router(config)).with_graceful_shutdown(stopped(stop_rx));
+    let admin_state = AdminState {
+        config,
+        metrics,
+        health,
+    };
+    let admin = axum::serve(listeners.http, http::router(admin_state))
+        .with_graceful_shutdown(stopped(stop_rx));
     let (grpc, admin) = tokio::join!(grpc, admin);
+    prober.abort();
     grpc?;
     admin.map_err(ServerError::Http)?;
     Ok(())
+}
+
+async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter.set_service_status("", status).await;
+    for service in HEALTH_SERVICES {
+        reporter.set_service_status(service, status).await;
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

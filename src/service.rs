@@ -1,15 +1,17 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
-use crate::algorithm::Verdict;
+use crate::algorithm::{Hits, Verdict};
 use crate::config::Config;
 use crate::engine::{self, Decision, Descriptor, KeySettings, LimitOverride, Plan};
 use crate::limit::{MICROS_PER_SECOND, Unit};
+use crate::metrics::{DEFAULT_NEAR_LIMIT_RATIO, LimitResult, Metrics};
 use crate::pb;
 use crate::pb::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
@@ -57,6 +59,17 @@ pub enum FailureMode {
     Deny,
 }
 
+impl FailureMode {
+    /// The flag spelling, for logs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureMode::Error => "error",
+            FailureMode::Allow => "allow",
+            FailureMode::Deny => "deny",
+        }
+    }
+}
+
 /// How the service answers, apart from the config and the store.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceSettings {
@@ -68,21 +81,14 @@ pub struct ServiceSettings {
     pub failure_mode: FailureMode,
 }
 
-/// Counters of the service's own decisions, for logs and metrics.
-#[derive(Debug, Default)]
-pub struct ServiceStats {
-    /// Requests answered by the failure mode because the store failed.
-    pub failure_mode_answers: AtomicU64,
-    /// Whether the last store call failed (logged once per change).
-    store_failing: AtomicBool,
-}
-
 /// The rate limit service over a store `S`.
 pub struct RateLimiter<S> {
     config: Arc<ArcSwap<Config>>,
     store: Arc<S>,
     settings: ServiceSettings,
-    stats: Arc<ServiceStats>,
+    metrics: Arc<Metrics>,
+    /// Whether the last store call failed, so failures and recoveries are logged once.
+    store_failing: AtomicBool,
 }
 
 impl<S: Store> RateLimiter<S> {
@@ -92,13 +98,25 @@ impl<S: Store> RateLimiter<S> {
             config,
             store,
             settings,
-            stats: Arc::default(),
+            metrics: Arc::new(Metrics::new(DEFAULT_NEAR_LIMIT_RATIO)),
+            store_failing: AtomicBool::new(false),
         }
     }
 
-    /// The service's counters.
-    pub fn stats(&self) -> Arc<ServiceStats> {
-        Arc::clone(&self.stats)
+    /// Counts into `metrics` instead of a private registry.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The store this service decides with.
+    pub fn store(&self) -> Arc<S> {
+        Arc::clone(&self.store)
+    }
+
+    /// The metrics this service counts into.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// Answers one request: validate, match, decide, assemble.
@@ -106,21 +124,59 @@ impl<S: Store> RateLimiter<S> {
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
-        let request = validate(request)?;
+        let request = validate(request).inspect_err(|_| self.metrics.invalid_requests.inc())?;
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let plan = engine::plan(&config, &request, &self.settings.keys);
         if plan.checks.is_empty() {
             return Ok(assemble(&plan, &[], self.settings.headers));
         }
-        match self.store.decide(&plan.checks).await {
+        let started = Instant::now();
+        let decided = self.store.decide(&plan.checks).await;
+        self.metrics
+            .store_duration
+            .with_label_values(&[self.store.name()])
+            .observe(started.elapsed().as_secs_f64());
+        match decided {
             Ok(outcomes) => {
-                if self.stats.store_failing.swap(false, Ordering::Relaxed) {
+                if self.store_failing.swap(false, Ordering::Relaxed) {
                     tracing::info!("store answering again");
                 }
+                self.record(&request, &plan, &outcomes);
                 Ok(assemble(&plan, &outcomes, self.settings.headers))
             }
             Err(error) => self.failure_answer(&plan, &error),
+        }
+    }
+
+    /// Counts every check's decision under its limit's descriptor path.
+    fn record(&self, request: &engine::Request, plan: &Plan<'_>, outcomes: &[Outcome]) {
+        for ((check, planned), (outcome, &descriptor)) in plan
+            .checks
+            .iter()
+            .zip(&plan.limits)
+            .zip(outcomes.iter().zip(&plan.descriptor_of))
+        {
+            let path = match (planned.path, planned.detailed) {
+                (Some(_), true) => detailed_path(&request.domain, &request.descriptors[descriptor]),
+                (Some(path), false) => path.to_owned(),
+                (None, _) => format!("{}.limit_override", request.domain),
+            };
+            let counters = self.metrics.limit(&request.domain, &path);
+            let hits = match check.hits {
+                Hits::Take(n) => n,
+                Hits::Peek | Hits::Refund(_) => 0,
+            };
+            self.metrics.record_limit(
+                &counters,
+                LimitResult {
+                    hits,
+                    allowed: outcome.verdict.allowed,
+                    shadow: check.shadow,
+                    limit: check.params.limit,
+                    remaining: outcome.verdict.remaining,
+                },
+            );
         }
     }
 
@@ -130,10 +186,15 @@ impl<S: Store> RateLimiter<S> {
         plan: &Plan<'_>,
         error: &StoreError,
     ) -> Result<pb::RateLimitResponse, Status> {
-        self.stats
+        self.metrics
+            .store_errors
+            .with_label_values(&[error.kind()])
+            .inc();
+        self.metrics
             .failure_mode_answers
-            .fetch_add(1, Ordering::Relaxed);
-        if !self.stats.store_failing.swap(true, Ordering::Relaxed) {
+            .with_label_values(&[self.settings.failure_mode.name()])
+            .inc();
+        if !self.store_failing.swap(true, Ordering::Relaxed) {
             tracing::warn!(%error, kind = error.kind(), mode = ?self.settings.failure_mode, "store failing; answering by failure mode");
         }
         let over = match self.settings.failure_mode {
@@ -180,8 +241,23 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         &self,
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
-        self.decide(request.into_inner()).await.map(Response::new)
+        let started = Instant::now();
+        let answer = self.decide(request.into_inner()).await.map(Response::new);
+        self.metrics.observe_request(started.elapsed());
+        answer
     }
+}
+
+/// `domain.key_value.key_value` with the request's own values, for `detailed_metric` limits.
+fn detailed_path(domain: &str, descriptor: &Descriptor) -> String {
+    let mut path = domain.to_owned();
+    for (key, value) in &descriptor.entries {
+        path.push('.');
+        path.push_str(key);
+        path.push('_');
+        path.push_str(value);
+    }
+    path
 }
 
 /// Turns the wire request into the engine's, rejecting what Envoy would never send.

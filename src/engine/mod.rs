@@ -69,6 +69,8 @@ pub struct PlannedLimit<'c> {
     pub limit: Cow<'c, Limit>,
     /// Descriptor path for metrics (`domain.key_value...`), or `None` for an override.
     pub path: Option<&'c str>,
+    /// `detailed_metric: true`: metrics are labelled with the request's own values.
+    pub detailed: bool,
 }
 
 /// What decides one request descriptor.
@@ -89,6 +91,8 @@ pub struct Plan<'c> {
     pub checks: Vec<Check>,
     /// The limit behind each check, same order and length as `checks`.
     pub limits: Vec<PlannedLimit<'c>>,
+    /// The request descriptor each check came from, same order and length as `checks`.
+    pub descriptor_of: Vec<usize>,
     /// One decision per request descriptor, in request order.
     pub decisions: Vec<Decision>,
 }
@@ -98,6 +102,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     let mut plan = Plan {
         checks: Vec::new(),
         limits: Vec::new(),
+        descriptor_of: Vec::new(),
         decisions: Vec::with_capacity(request.descriptors.len()),
     };
     let Some(domain) = config.domains.get(&request.domain) else {
@@ -112,6 +117,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
             Some(o) => Matched::Limits(vec![PlannedLimit {
                 limit: Cow::Owned(Limit::fixed(o.requests_per_unit, o.unit)),
                 path: None,
+                detailed: false,
             }]),
             None => match matcher::find(&domain.root, &descriptor.entries) {
                 Some(node) => match &node.policy {
@@ -125,6 +131,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                             .map(|limit| PlannedLimit {
                                 limit: Cow::Borrowed(limit),
                                 path: Some(node.path.as_str()),
+                                detailed: node.detailed_metric,
                             })
                             .collect(),
                     ),
@@ -151,7 +158,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         .collect();
     let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(name));
 
-    for (descriptor, matched) in request.descriptors.iter().zip(matched) {
+    for (index, (descriptor, matched)) in request.descriptors.iter().zip(matched).enumerate() {
         let decision = match matched {
             Matched::Nothing => Decision::NoLimit,
             Matched::Unlimited(name, _) if is_replaced(name) => Decision::NoLimit,
@@ -176,6 +183,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                         shadow: planned.limit.shadow,
                     });
                     plan.limits.push(planned);
+                    plan.descriptor_of.push(index);
                 }
                 if plan.checks.len() == start {
                     Decision::NoLimit

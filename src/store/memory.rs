@@ -259,6 +259,26 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 }
 
 impl<C: Clock> Store for MemoryStore<C> {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn healthy(&self) -> bool {
+        true
+    }
+
+    fn report(&self, metrics: &crate::metrics::Metrics) {
+        let stats = self.stats();
+        let as_gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        metrics
+            .memory_live_keys
+            .set(as_gauge(stats.live_keys as u64));
+        metrics.memory_capacity.set(as_gauge(stats.capacity as u64));
+        metrics
+            .memory_full_rejections
+            .set(as_gauge(stats.full_rejections));
+    }
+
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         self.decide_now(checks)
     }

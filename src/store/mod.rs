@@ -69,6 +69,15 @@ impl StoreError {
 
 /// A place to decide checks. Implementations: [`MemoryStore`] (default), [`RedisStore`].
 pub trait Store: Send + Sync + 'static {
+    /// A short name for logs and metric labels (`memory`, `redis`).
+    fn name(&self) -> &'static str;
+
+    /// Whether the store can answer right now (health checks).
+    fn healthy(&self) -> impl Future<Output = bool> + Send;
+
+    /// Publishes the store's own gauges (the in-process store's key counts).
+    fn report(&self, _metrics: &crate::metrics::Metrics) {}
+
     /// Decides `checks` together: each check is evaluated in order (a key that appears twice
     /// sees the first one's hits), and state changes only if every non-shadow check allows.
     /// Returns one outcome per check, in order.

@@ -171,6 +171,14 @@ fn parse_reply(reply: &[i64], checks: usize) -> Result<Vec<Outcome>, StoreError>
 }
 
 impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn healthy(&self) -> bool {
+        self.ping().await
+    }
+
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         self.evaluate(checks).await
     }

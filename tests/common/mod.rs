@@ -13,7 +13,7 @@ use rlsd::engine::KeySettings;
 use rlsd::pb::{
     RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient, rate_limit_descriptor::Entry,
 };
-use rlsd::server::{self, Listeners};
+use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, Store};
 use tokio::sync::oneshot;
@@ -52,21 +52,40 @@ pub async fn spawn_server<S: Store>(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
+    let (grpc, http, stop, task, _) =
+        spawn_server_with(yaml, store, settings, ServeOptions::default()).await;
+    (grpc, http, stop, task)
+}
+
+/// [`spawn_server`] with server options; also returns the server's metrics.
+pub async fn spawn_server_with<S: Store>(
+    yaml: &str,
+    store: Arc<S>,
+    settings: ServiceSettings,
+    options: ServeOptions,
+) -> (
+    SocketAddr,
+    SocketAddr,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+    Arc<rlsd::metrics::Metrics>,
+) {
     let config = live_config(yaml);
     let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
+    let metrics = limiter.metrics();
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("address");
     let listeners = Listeners::bind(loopback, loopback).await.expect("bind");
     let grpc = listeners.grpc.local_addr().expect("grpc addr");
     let http = listeners.http.local_addr().expect("http addr");
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        server::run(limiter, config, listeners, async {
+        server::run_with(limiter, config, listeners, options, async {
             let _ = stopped.await;
         })
         .await
         .expect("server runs");
     });
-    (grpc, http, stop, task)
+    (grpc, http, stop, task, metrics)
 }
 
 impl TestServer {
@@ -102,6 +121,11 @@ impl TestServer {
             .expect("connect")
     }
 
+    /// `GET path` on the admin port: status code and body.
+    pub async fn http_get(&self, path: &str) -> (u16, String) {
+        http_get(self.http, path).await
+    }
+
     /// Stops the server and waits for it to finish.
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
@@ -134,4 +158,26 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
         descriptors,
         hits_addend: 0,
     }
+}
+
+/// `GET path` on an admin port over a plain HTTP/1.1 socket: status code and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect admin port");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("status line");
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }

@@ -1,0 +1,278 @@
+//! Prometheus metrics, under the names envoyproxy/ratelimit's users already chart
+//! (`ratelimit_service_rate_limit_*`), plus rlsd's own (`rlsd_*`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+/// Latency buckets in seconds: sub-millisecond resolution where rlsd lives, up to Envoy's 20 ms
+/// default timeout and past it.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.000_75, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+];
+
+/// Usage ratio above which allowed hits also count as `near_limit` (envoyproxy/ratelimit's 0.8).
+pub const DEFAULT_NEAR_LIMIT_RATIO: f64 = 0.8;
+
+/// The per-limit counters of one `domain` + descriptor path.
+#[derive(Clone)]
+pub struct LimitCounters {
+    total_hits: IntCounter,
+    over_limit: IntCounter,
+    near_limit: IntCounter,
+    within_limit: IntCounter,
+    shadow_mode: IntCounter,
+}
+
+/// What one limit decided for one request, for [`Metrics::record_limit`].
+#[derive(Clone, Copy, Debug)]
+pub struct LimitResult {
+    /// Hits the request asked for.
+    pub hits: u64,
+    /// Whether the limit allowed them.
+    pub allowed: bool,
+    /// Whether the limit is in shadow mode.
+    pub shadow: bool,
+    /// L.
+    pub limit: u64,
+    /// What is left after the request.
+    pub remaining: u64,
+}
+
+/// Every metric rlsd exports, registered in one registry.
+pub struct Metrics {
+    registry: Registry,
+    near_limit_ratio: f64,
+    total_hits: IntCounterVec,
+    over_limit: IntCounterVec,
+    near_limit: IntCounterVec,
+    within_limit: IntCounterVec,
+    shadow_mode: IntCounterVec,
+    /// Cached handles by domain, then path: label lookups (and allocations) stay off the
+    /// request path once a limit has been seen.
+    limits: RwLock<HashMap<String, HashMap<String, LimitCounters>>>,
+    /// `ShouldRateLimit` latency, as the server measures it.
+    pub request_duration: Histogram,
+    /// Store call latency by store.
+    pub store_duration: HistogramVec,
+    /// Store failures by kind (`unavailable`, `timeout`, `full`, ...).
+    pub store_errors: IntCounterVec,
+    /// Requests answered by the failure mode, by mode.
+    pub failure_mode_answers: IntCounterVec,
+    /// Requests rejected as malformed.
+    pub invalid_requests: IntCounter,
+    /// Config loads that succeeded.
+    pub config_load_success: IntCounter,
+    /// Config loads that failed (the previous config stays).
+    pub config_load_error: IntCounter,
+    /// Keys held by the in-process store.
+    pub memory_live_keys: IntGauge,
+    /// The in-process store's key cap.
+    pub memory_capacity: IntGauge,
+    /// Requests the in-process store refused because it was full.
+    pub memory_full_rejections: IntGauge,
+}
+
+fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let vec = IntCounterVec::new(Opts::new(name, help), labels)
+        .unwrap_or_else(|error| unreachable!("metric {name} is well-formed: {error}"));
+    register(registry, vec)
+}
+
+fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+    // Names are constants and registered once per registry, so this cannot collide.
+    if let Err(error) = registry.register(Box::new(metric.clone())) {
+        tracing::error!(%error, "metric registration failed");
+    }
+    metric
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let metric = IntCounter::new(name, help)
+        .unwrap_or_else(|error| unreachable!("metric {name} is well-formed: {error}"));
+    register(registry, metric)
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let metric = IntGauge::new(name, help)
+        .unwrap_or_else(|error| unreachable!("metric {name} is well-formed: {error}"));
+    register(registry, metric)
+}
+
+impl Metrics {
+    /// A fresh registry with every metric, counting `near_limit` above `near_limit_ratio`.
+    pub fn new(near_limit_ratio: f64) -> Metrics {
+        let registry = Registry::new();
+        let per_limit = ["domain", "descriptor"];
+        let r = &registry;
+        let request_duration = register(
+            r,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "ratelimit_service_should_rate_limit_duration_seconds",
+                    "ShouldRateLimit latency inside rlsd",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            )
+            .unwrap_or_else(|error| unreachable!("histogram is well-formed: {error}")),
+        );
+        let store_duration = register(
+            r,
+            HistogramVec::new(
+                HistogramOpts::new("rlsd_store_call_duration_seconds", "Store call latency")
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                &["store"],
+            )
+            .unwrap_or_else(|error| unreachable!("histogram is well-formed: {error}")),
+        );
+        Metrics {
+            near_limit_ratio,
+            total_hits: counter_vec(
+                r,
+                "ratelimit_service_rate_limit_total_hits",
+                "Hits checked against a limit",
+                &per_limit,
+            ),
+            over_limit: counter_vec(
+                r,
+                "ratelimit_service_rate_limit_over_limit",
+                "Hits denied by a limit",
+                &per_limit,
+            ),
+            near_limit: counter_vec(
+                r,
+                "ratelimit_service_rate_limit_near_limit",
+                "Allowed hits above the near-limit ratio",
+                &per_limit,
+            ),
+            within_limit: counter_vec(
+                r,
+                "ratelimit_service_rate_limit_within_limit",
+                "Hits allowed by a limit",
+                &per_limit,
+            ),
+            shadow_mode: counter_vec(
+                r,
+                "ratelimit_service_rate_limit_shadow_mode",
+                "Hits a shadow-mode limit would have denied",
+                &per_limit,
+            ),
+            limits: RwLock::default(),
+            request_duration,
+            store_duration,
+            store_errors: counter_vec(
+                r,
+                "rlsd_store_errors_total",
+                "Store calls that failed, by kind",
+                &["kind"],
+            ),
+            failure_mode_answers: counter_vec(
+                r,
+                "rlsd_failure_mode_answers_total",
+                "Requests answered by the failure mode, by mode",
+                &["mode"],
+            ),
+            invalid_requests: counter(
+                r,
+                "rlsd_invalid_requests_total",
+                "Requests rejected as INVALID_ARGUMENT",
+            ),
+            config_load_success: counter(
+                r,
+                "ratelimit_service_config_load_success",
+                "Config loads that succeeded",
+            ),
+            config_load_error: counter(
+                r,
+                "ratelimit_service_config_load_error",
+                "Config loads that failed; the previous config stays",
+            ),
+            memory_live_keys: gauge(
+                r,
+                "rlsd_memory_store_live_keys",
+                "Keys held by the in-process store",
+            ),
+            memory_capacity: gauge(
+                r,
+                "rlsd_memory_store_capacity",
+                "The in-process store's cap on live keys",
+            ),
+            memory_full_rejections: gauge(
+                r,
+                "rlsd_memory_store_full_rejections",
+                "Requests refused because the in-process store was full",
+            ),
+            registry,
+        }
+    }
+
+    /// The counters of one limit, created on first use.
+    pub fn limit(&self, domain: &str, path: &str) -> LimitCounters {
+        let cached = self
+            .limits
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(domain)
+            .and_then(|paths| paths.get(path))
+            .cloned();
+        if let Some(counters) = cached {
+            return counters;
+        }
+        let labels = [domain, path];
+        let counters = LimitCounters {
+            total_hits: self.total_hits.with_label_values(&labels),
+            over_limit: self.over_limit.with_label_values(&labels),
+            near_limit: self.near_limit.with_label_values(&labels),
+            within_limit: self.within_limit.with_label_values(&labels),
+            shadow_mode: self.shadow_mode.with_label_values(&labels),
+        };
+        self.limits
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(domain.to_owned())
+            .or_default()
+            .insert(path.to_owned(), counters.clone());
+        counters
+    }
+
+    /// Counts one limit's decision, as envoyproxy/ratelimit does: every hit in `total_hits`, and
+    /// each in `over_limit`, or `within_limit` (and `near_limit` above the ratio); shadow limits
+    /// that would deny count in `shadow_mode` and `over_limit`.
+    pub fn record_limit(&self, counters: &LimitCounters, result: LimitResult) {
+        counters.total_hits.inc_by(result.hits);
+        if result.allowed {
+            counters.within_limit.inc_by(result.hits);
+            let used = result.limit.saturating_sub(result.remaining) as f64;
+            if used >= self.near_limit_ratio * result.limit as f64 {
+                counters.near_limit.inc_by(result.hits);
+            }
+        } else {
+            counters.over_limit.inc_by(result.hits);
+            if result.shadow {
+                counters.shadow_mode.inc_by(result.hits);
+            }
+        }
+    }
+
+    /// Records a request's latency.
+    pub fn observe_request(&self, took: Duration) {
+        self.request_duration.observe(took.as_secs_f64());
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(error) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(%error, "metrics encoding failed");
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+/// A shared handle.
+pub type SharedMetrics = Arc<Metrics>;

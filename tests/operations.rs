@@ -1,0 +1,278 @@
+//! Operations over real sockets: exact metrics, health that follows the store and the drain,
+//! and calls in flight at shutdown.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::RedisServer;
+use common::{T0, descriptor, http_get, request, spawn_server_with};
+use rlsd::clock::ManualClock;
+use rlsd::engine::KeySettings;
+use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::rate_limit_response::Code;
+use rlsd::server::ServeOptions;
+use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
+use rlsd::store::{MemoryStore, RedisSettings, RedisStore};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+const CONFIG: &str = r#"
+domain: ops
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: trial
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: tenant
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+
+fn settings() -> ServiceSettings {
+    ServiceSettings {
+        keys: KeySettings::default(),
+        headers: HeaderStyle::XRatelimit,
+        failure_mode: FailureMode::Error,
+    }
+}
+
+/// The value of `name` with exactly these labels in a scrape.
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    scrape
+        .samples
+        .iter()
+        .find(|s| {
+            s.metric == name
+                && labels.len() == s.labels.iter().count()
+                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
+        })
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            prometheus_parse::Value::Histogram(ref buckets) => {
+                buckets.last().map_or(0.0, |b| b.count)
+            }
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        })
+}
+
+#[tokio::test]
+async fn metrics_after_traffic_have_exact_values() {
+    let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
+    let (grpc, http, stop, task, _) =
+        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    for _ in 0..5 {
+        client
+            .should_rate_limit(request("ops", vec![descriptor(&[("user", "u")])]))
+            .await
+            .expect("answer");
+    }
+    for _ in 0..2 {
+        let response = client
+            .should_rate_limit(request("ops", vec![descriptor(&[("trial", "t")])]))
+            .await
+            .expect("answer")
+            .into_inner();
+        assert_eq!(
+            response.overall_code,
+            Code::Ok as i32,
+            "shadow never denies"
+        );
+    }
+    let mut heavy = request("ops", vec![descriptor(&[("tenant", "acme")])]);
+    heavy.hits_addend = 4;
+    client.should_rate_limit(heavy).await.expect("answer");
+    client
+        .should_rate_limit(request("", vec![]))
+        .await
+        .expect_err("invalid");
+
+    let (status, body) = http_get(http, "/metrics").await;
+    assert_eq!(status, 200);
+    let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
+        .expect("valid exposition");
+    let user = [("domain", "ops"), ("descriptor", "ops.user")];
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_total_hits", &user),
+        Some(5.0)
+    );
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_within_limit", &user),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_over_limit", &user),
+        Some(2.0)
+    );
+    // Only the third request took usage to 3 of 3 (>= 80 %) while allowed.
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_near_limit", &user),
+        Some(1.0)
+    );
+    let trial = [("domain", "ops"), ("descriptor", "ops.trial")];
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_shadow_mode", &trial),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_within_limit", &trial),
+        Some(1.0)
+    );
+    // detailed_metric: the request's own value is in the label.
+    let tenant = [("domain", "ops"), ("descriptor", "ops.tenant_acme")];
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_total_hits", &tenant),
+        Some(4.0)
+    );
+    assert_eq!(
+        sample(&scrape, "rlsd_invalid_requests_total", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            "ratelimit_service_should_rate_limit_duration_seconds_count",
+            &[]
+        ),
+        Some(9.0)
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            "rlsd_store_call_duration_seconds_count",
+            &[("store", "memory")]
+        ),
+        Some(8.0)
+    );
+    let _ = stop.send(());
+    task.await.expect("server");
+}
+
+async fn grpc_health(grpc: std::net::SocketAddr, service: &str) -> ServingStatus {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = HealthClient::new(channel);
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await
+        .expect("health answers")
+        .into_inner();
+    ServingStatus::try_from(response.status).expect("known status")
+}
+
+async fn wait_for<F: std::future::Future<Output = bool>>(what: &str, mut probe: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !probe().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_redis_and_the_drain() {
+    let mut redis = RedisServer::start();
+    let mut redis_settings = RedisSettings::new(redis.url());
+    redis_settings.command_timeout = Duration::from_millis(200);
+    let store = Arc::new(RedisStore::connect(redis_settings).await.expect("url"));
+    let options = ServeOptions {
+        drain: Duration::from_millis(800),
+    };
+    let (grpc, http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
+    assert_eq!(http_get(http, "/healthcheck").await, (200, "OK".to_owned()));
+    for service in ["", "ratelimit"] {
+        assert_eq!(grpc_health(grpc, service).await, ServingStatus::Serving);
+    }
+
+    redis.kill();
+    wait_for("/healthcheck to fail", || async {
+        http_get(http, "/healthcheck").await == (500, "store unreachable".to_owned())
+    })
+    .await;
+    assert_eq!(
+        grpc_health(grpc, "ratelimit").await,
+        ServingStatus::NotServing
+    );
+    redis.restart();
+    wait_for("/healthcheck to recover", || async {
+        http_get(http, "/healthcheck").await.0 == 200
+    })
+    .await;
+    assert_eq!(grpc_health(grpc, "").await, ServingStatus::Serving);
+
+    // The shutdown signal: health turns at once, answers go on through the drain.
+    let _ = stop.send(());
+    wait_for("draining", || async {
+        http_get(http, "/healthcheck").await == (500, "draining".to_owned())
+    })
+    .await;
+    assert_eq!(grpc_health(grpc, "").await, ServingStatus::NotServing);
+    let mut client = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    let during = client
+        .should_rate_limit(request("ops", vec![descriptor(&[("user", "d")])]))
+        .await;
+    assert!(during.is_ok(), "answered while draining: {during:?}");
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("stops after the drain")
+        .expect("server");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_at_shutdown_all_complete() {
+    let redis = RedisServer::start();
+    let mut redis_settings = RedisSettings::new(redis.url());
+    redis_settings.command_timeout = Duration::from_secs(5);
+    let store = Arc::new(RedisStore::connect(redis_settings).await.expect("url"));
+    let (grpc, _http, stop, task, _) =
+        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    let client = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    // Redis stalls for a moment, so these calls are all waiting inside rlsd when the stop comes.
+    let stall = std::thread::spawn({
+        let port = redis.port;
+        move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "DEBUG", "SLEEP", "0.7"])
+                .output()
+                .expect("redis-cli")
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let calls: Vec<_> = (0..40)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .should_rate_limit(request(
+                        "ops",
+                        vec![descriptor(&[("user", &format!("u{i}"))])],
+                    ))
+                    .await
+                    .map(|r| r.into_inner().overall_code)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = stop.send(());
+    for call in calls {
+        let answer = call.await.expect("task");
+        assert_eq!(answer.expect("in-flight call completes"), Code::Ok as i32);
+    }
+    task.await.expect("server");
+    stall.join().expect("stall thread");
+}
