@@ -1,38 +1,48 @@
 //! rlsd over real gRPC on loopback, against a do-nothing tonic server in the same run.
 //!
-//! Two servers live in one process: rlsd (`server::run` with `MemoryStore::new`, system clock,
-//! default settings incl. `x-ratelimit-*` headers, high limits so every request is allowed) and a
-//! baseline implementing the same `RateLimitService` trait that answers OK per descriptor at once
-//! (built with the same tonic `Server` settings: TCP_NODELAY, 30 s HTTP/2 keepalive). Both are
-//! driven by the same tonic client code:
+//! Servers in this process: rlsd (`server::run` with `MemoryStore::new` on the system clock,
+//! default `ServiceSettings` so `x-ratelimit-*` headers are on, high limits so every request is
+//! allowed, 1000 distinct clients = 3000 keys), and a baseline implementing the same
+//! `RateLimitService` trait that answers OK with one OK status per descriptor at once, served with
+//! the same tonic settings as `server::run` (TCP_NODELAY, 30 s HTTP/2 keepalive). All are driven
+//! by the same tonic client code. `RLSD_BENCH_EXTRA=1` adds two diagnostic servers: `canned`
+//! replays rlsd's own captured answers (same bytes on the wire, no work) and `rlsd-svc` serves
+//! rlsd's `RateLimiter` with the baseline's setup instead of `server::run`.
 //!
-//! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels x `RLSD_BENCH_INFLIGHT` (16)
-//!    requests in flight each, for 3-descriptor (three-layer) and 1-descriptor requests; rounds
-//!    alternate baseline / rlsd (`RLSD_BENCH_ROUNDS`, 2) and the median round is shown;
-//! 2. open loop at half of rlsd's measured 3-descriptor peak, the same rate for both servers: a
-//!    pacer thread releases each request at its scheduled time (it sleeps with `std::thread::sleep`,
-//!    ~60 µs granularity, since tokio timers tick in whole ms) as its own task, and latency runs
-//!    from the *scheduled* time, so a stalled server cannot hide queueing (no coordinated
-//!    omission); "lag" is how late requests actually started;
-//! 3. one request in flight (one channel, closed loop).
+//! Phases (each `RLSD_BENCH_SECONDS`, default 2, after 0.5 s of warm-up; every latency kept):
+//! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels (one HTTP/2 connection each) x
+//!    `RLSD_BENCH_INFLIGHT` (16) requests in flight each, for 3-descriptor (three-layer) and
+//!    1-descriptor requests; servers alternate within each of `RLSD_BENCH_ROUNDS` (3) rounds and
+//!    the median round is shown (PERF.md: quote medians of alternating rounds);
+//! 2. open loop at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of rlsd's measured 3-descriptor peak
+//!    (or `RLSD_BENCH_OPEN_RATE` req/s), the same rate for every server. A pacer thread releases
+//!    each request at its scheduled time as its own task (it sleeps with `std::thread::sleep`,
+//!    ~60 µs granularity, because tokio timers tick in whole ms), and latency runs from the
+//!    *scheduled* time, so a server that stalls cannot hide the queueing it causes (no coordinated
+//!    omission). "lag p99" is how late requests actually started on the client runtime;
+//! 3. one request in flight (one channel, closed loop), p50/p99.
 //!
-//! Each phase lasts `RLSD_BENCH_SECONDS` (3) after 0.5 s of warm-up; every latency is kept (µs).
+//! `RLSD_BENCH_PHASES` (peak,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd`) select.
 //!
-//! Threads: the servers run on their own tokio runtime (`RLSD_BENCH_SERVER_THREADS` workers,
-//! thread name `bench-server`), the clients on another (`RLSD_BENCH_CLIENT_THREADS`, `bench-client`).
-//! `RLSD_BENCH_SHARED=1` puts both on one runtime of `RLSD_BENCH_CLIENT_THREADS` workers instead.
-//! The default is 2 server + 2 client workers on this 2-core machine: tried on 2026-era 2-core
-//! runners, 1+1 left the server at ~60 % of a core (the tonic client costs about as much CPU per
-//! request as the server, so with one core it could not saturate it), 2+1 likewise client-bound,
-//! and a shared 2-worker runtime gave the same req/s as 2+2 within noise but no way to tell server
-//! CPU from client CPU. 2+2 lets the kernel give each side what it needs, as h2load and the server
-//! did in PERF.md, and still reports server and client CPU separately (from
-//! `/proc/self/task/*/stat`, 10 ms ticks). Because the client is not free here, req/s is bound by
-//! the two cores together; the figure that carries over is the server CPU per request, and the
-//! rlsd / baseline ratio, which both see the same client.
+//! Threads: the servers run on their own tokio runtime (`RLSD_BENCH_SERVER_THREADS`, default 2,
+//! threads named `bench-server`), the clients on another (`RLSD_BENCH_CLIENT_THREADS`, default 2,
+//! `bench-client`); `RLSD_BENCH_SHARED=1` puts both on one runtime. Variants tried on this
+//! 2-core machine (peak, 3 rounds, rlsd / baseline): 1+1 gave 0.77 (3 desc) / 0.81 (1 desc) and
+//! 0.79 / 0.95, 2+2 gave 0.69 / 0.80, 0.73 / 0.82 and 0.78 / 1.08, one shared 2-worker runtime
+//! 0.86 / 1.00 and 0.79 / 0.91 (other jobs were loading the machine: spread is ±10 %). 2+2 is the
+//! default: like rlsd in production (its own process, a worker per core) and like PERF.md (server
+//! and load generator sharing both cores, the kernel giving each what it asks for). 1+1 caps each
+//! side at one core, so whichever side is heavier bounds both, and with 1+1 the baseline was
+//! client-bound (client ~97 % of its core), flattering the ratio. The shared runtime runs client
+//! and server tasks on the same workers (cheap hand-offs a separate process never gets) and
+//! cannot tell server CPU from client CPU. Since the tonic client costs about as much CPU per
+//! request as the server, req/s here is bound by the two cores together: the figure that carries
+//! over is the server's CPU per request (from `/proc/self/task/*/stat`, 10 ms ticks); the
+//! baseline's (~17-22 µs) matches PERF.md's h2load figure for the same do-nothing server (16-19).
 //!
-//! Answers are checked: OK (every status OK, one per descriptor), OVER_LIMIT, other (wrong
-//! shape) and gRPC errors are counted and printed; any error or wrong answer is reported loudly.
+//! Answers are checked: OK (overall OK and one OK status per descriptor), OVER_LIMIT, wrong
+//! (anything else) and gRPC errors are counted and printed; any of the last three is reported
+//! loudly, as is a request never answered.
 //!
 //! Run: `cargo bench --bench grpc`.
 
@@ -101,6 +111,11 @@ struct Opts {
     server_threads: usize,
     client_threads: usize,
     shared: bool,
+    extra: bool,
+    phases: Vec<String>,
+    open_rate: Option<f64>,
+    open_fractions: Vec<f64>,
+    only: Option<Vec<String>>,
 }
 
 impl Opts {
@@ -115,13 +130,32 @@ impl Opts {
                 .unwrap_or(default)
         }
         Opts {
-            seconds: Duration::from_secs_f64(var("RLSD_BENCH_SECONDS", 3.0)),
-            rounds: var("RLSD_BENCH_ROUNDS", 2_usize).max(1),
+            seconds: Duration::from_secs_f64(var("RLSD_BENCH_SECONDS", 2.0)),
+            rounds: var("RLSD_BENCH_ROUNDS", 3_usize).max(1),
             connections: var("RLSD_BENCH_CONNECTIONS", 4_usize).max(1),
             inflight: var("RLSD_BENCH_INFLIGHT", 16_usize).max(1),
             server_threads: var("RLSD_BENCH_SERVER_THREADS", 2_usize).max(1),
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
+            extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
+            phases: var("RLSD_BENCH_PHASES", "peak,open,single".to_owned())
+                .split(',')
+                .map(|p| p.trim().to_owned())
+                .collect(),
+            open_rate: std::env::var("RLSD_BENCH_OPEN_RATE")
+                .ok()
+                .map(|s| s.parse().expect("RLSD_BENCH_OPEN_RATE is requests/s")),
+            open_fractions: var("RLSD_BENCH_OPEN_FRACTIONS", "0.5,0.25".to_owned())
+                .split(',')
+                .map(|f| {
+                    f.trim()
+                        .parse()
+                        .expect("RLSD_BENCH_OPEN_FRACTIONS: numbers")
+                })
+                .collect(),
+            only: std::env::var("RLSD_BENCH_ONLY")
+                .ok()
+                .map(|s| s.split(',').map(|p| p.trim().to_owned()).collect()),
         }
     }
 }
@@ -154,8 +188,10 @@ fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
-/// Starts rlsd on the current runtime; returns its gRPC address.
-async fn start_rlsd() -> SocketAddr {
+type Limiter = RateLimiter<MemoryStore>;
+
+/// rlsd's service on the bench config, a system-clock `MemoryStore` and default settings.
+fn limiter() -> (Limiter, Arc<ArcSwap<Config>>) {
     let domain = config::load_str("grpc-bench.yaml", CONFIG)
         .unwrap_or_else(|e| panic!("bench config: {e:?}"));
     let mut loaded = Config::default();
@@ -163,6 +199,12 @@ async fn start_rlsd() -> SocketAddr {
     let config = Arc::new(ArcSwap::from_pointee(loaded));
     let store = Arc::new(MemoryStore::new(rlsd::store::memory::DEFAULT_MAX_KEYS));
     let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
+    (limiter, config)
+}
+
+/// Starts rlsd (`server::run`) on the current runtime; returns its gRPC address.
+async fn start_rlsd() -> SocketAddr {
+    let (limiter, config) = limiter();
     let listeners = Listeners::bind(loopback(), loopback())
         .await
         .expect("bind rlsd");
@@ -175,20 +217,47 @@ async fn start_rlsd() -> SocketAddr {
     addr
 }
 
-/// Starts the baseline with the same tonic settings as `server::run`.
-async fn start_baseline() -> SocketAddr {
-    let listener = TcpListener::bind(loopback()).await.expect("bind baseline");
-    let addr = listener.local_addr().expect("baseline address");
+/// Serves `service` with the same tonic settings as `server::run`.
+async fn start_service<T: RateLimitService>(service: T) -> SocketAddr {
+    let listener = TcpListener::bind(loopback()).await.expect("bind");
+    let addr = listener.local_addr().expect("address");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tokio::spawn(async move {
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .add_service(RateLimitServiceServer::new(Baseline))
+            .add_service(RateLimitServiceServer::new(service))
             .serve_with_incoming(incoming)
             .await
-            .expect("baseline serves");
+            .expect("server serves");
     });
     addr
+}
+
+/// rlsd's `RateLimiter` served by `start_service` rather than `server::run`.
+async fn start_rlsd_service() -> SocketAddr {
+    let (limiter, _) = limiter();
+    start_service(limiter).await
+}
+
+/// Replays fixed answers: rlsd's, captured at start, so the bytes on the wire are the same.
+struct Canned {
+    three: RateLimitResponse,
+    one: RateLimitResponse,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Canned {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let answer = if request.get_ref().descriptors.len() == 1 {
+            &self.one
+        } else {
+            &self.three
+        };
+        Ok(Response::new(answer.clone()))
+    }
 }
 
 /// `count` clients, each on its own HTTP/2 connection.
@@ -533,7 +602,7 @@ struct Row {
 
 fn print_rows(rows: &[Row], shared_runtime: bool) {
     println!(
-        "| {:<28} | {:<8} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} |",
+        "| {:<30} | {:<8} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} |",
         "phase",
         "server",
         "req/s",
@@ -550,7 +619,7 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
         "cli CPU µs/req"
     );
     println!(
-        "|{:-<30}|{:-<10}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|",
+        "|{:-<32}|{:-<10}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|",
         "", "", "", "", "", "", "", "", "", "", "", "", "", ""
     );
     for row in rows {
@@ -571,7 +640,7 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
             format!("{:.3}", Phase::percentile(&r.lag_us, 0.99))
         };
         println!(
-            "| {:<28} | {:<8} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} |",
+            "| {:<30} | {:<8} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} |",
             row.phase,
             row.server,
             r.rate(),
@@ -630,19 +699,44 @@ fn main() {
     let server_handle = server_rt
         .as_ref()
         .map_or_else(|| client_rt.handle().clone(), |rt| rt.handle().clone());
-    let rlsd_addr = server_handle.block_on(start_rlsd());
-    let baseline_addr = server_handle.block_on(start_baseline());
-
-    let (rlsd_clients, baseline_clients) = client_rt.block_on(async {
-        (
-            connect(rlsd_addr, opts.connections).await,
-            connect(baseline_addr, opts.connections).await,
-        )
-    });
-    let servers: [(&'static str, &[Client]); 2] =
-        [("baseline", &baseline_clients), ("rlsd", &rlsd_clients)];
     let three = pool(3);
     let one = pool(1);
+
+    let mut addrs: Vec<(&'static str, SocketAddr)> = vec![
+        ("baseline", server_handle.block_on(start_service(Baseline))),
+        ("rlsd", server_handle.block_on(start_rlsd())),
+    ];
+    if opts.extra {
+        // rlsd's own answers, captured once, replayed by a server that does nothing else.
+        let rlsd = addrs[1].1;
+        let (three_answer, one_answer) = client_rt.block_on(async {
+            let mut client = connect(rlsd, 1).await.remove(0);
+            let mut ask = async |request: &RateLimitRequest| {
+                client
+                    .should_rate_limit(request.clone())
+                    .await
+                    .expect("rlsd answers")
+                    .into_inner()
+            };
+            (ask(&three[0]).await, ask(&one[0]).await)
+        });
+        let canned = Canned {
+            three: three_answer,
+            one: one_answer,
+        };
+        addrs.push(("canned", server_handle.block_on(start_service(canned))));
+        addrs.push(("rlsd-svc", server_handle.block_on(start_rlsd_service())));
+    }
+    if let Some(only) = &opts.only {
+        addrs.retain(|(name, _)| only.iter().any(|o| o == name));
+    }
+    let servers: Vec<(&'static str, Vec<Client>)> = client_rt.block_on(async {
+        let mut servers = Vec::new();
+        for (name, addr) in &addrs {
+            servers.push((*name, connect(*addr, opts.connections).await));
+        }
+        servers
+    });
 
     println!(
         "# rlsd gRPC bench: {} connections x {} in flight, {:.1} s per phase, {} round(s), {}",
@@ -660,86 +754,140 @@ fn main() {
         }
     );
     println!("# CPU columns: µs of CPU per request (and % of one core over the phase)");
+    if opts.extra {
+        println!(
+            "# extra servers: canned = replays rlsd's captured response (same bytes, no work); \
+             rlsd-svc = rlsd's RateLimiter on the baseline's tonic setup instead of server::run"
+        );
+    }
 
-    // Phase 1: peak, alternating servers.
     let shapes = [("3 descriptors", &three), ("1 descriptor", &one)];
-    let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; shapes.len()];
-    for round in 0..opts.rounds {
-        eprintln!("peak round {}/{}", round + 1, opts.rounds);
-        for (s, (_, requests)) in shapes.iter().enumerate() {
-            for (v, (_, clients)) in servers.iter().enumerate() {
-                let phase = client_rt.block_on(closed_loop(
-                    clients,
-                    opts.inflight,
-                    Arc::clone(requests),
-                    opts.seconds,
-                ));
-                peaks[s][v].push(phase);
+    let mut rows = Vec::new();
+    let mut ratios = Vec::new();
+    let mut rlsd_peak = None;
+
+    // Phase 1: peak, servers alternating within each round.
+    if opts.phases.iter().any(|p| p == "peak") {
+        let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; shapes.len()];
+        for round in 0..opts.rounds {
+            eprintln!("peak round {}/{}", round + 1, opts.rounds);
+            for (s, (_, requests)) in shapes.iter().enumerate() {
+                for (v, (_, clients)) in servers.iter().enumerate() {
+                    let phase = client_rt.block_on(closed_loop(
+                        clients,
+                        opts.inflight,
+                        Arc::clone(requests),
+                        opts.seconds,
+                    ));
+                    peaks[s][v].push(phase);
+                }
+            }
+        }
+        for (s, (shape, _)) in shapes.iter().enumerate() {
+            let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
+            let rate_of = |name: &str| {
+                servers
+                    .iter()
+                    .position(|(server, _)| *server == name)
+                    .map(|v| medians[v].rate())
+            };
+            let cpu_of = |name: &str| {
+                servers
+                    .iter()
+                    .position(|(server, _)| *server == name)
+                    .map(|v| {
+                        medians[v].cpu.server * 1e6 / medians[v].latencies_us.len().max(1) as f64
+                    })
+            };
+            if let (Some(rlsd), Some(baseline)) = (rate_of("rlsd"), rate_of("baseline")) {
+                let cpu = cpu_of("rlsd").zip(cpu_of("baseline"));
+                ratios.push((*shape, rlsd / baseline, cpu));
+            }
+            if s == 0 {
+                rlsd_peak = rate_of("rlsd");
+            }
+            for (v, (server, _)) in servers.iter().enumerate() {
+                rows.push(Row {
+                    phase: format!("peak, {shape}, {}x{}", opts.connections, opts.inflight),
+                    server,
+                    result: medians[v].clone(),
+                });
             }
         }
     }
-    let mut rows = Vec::new();
-    let mut ratios = Vec::new();
-    for (s, (shape, _)) in shapes.iter().enumerate() {
-        let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
-        ratios.push((*shape, medians[1].rate() / medians[0].rate()));
-        for (v, (server, _)) in servers.iter().enumerate() {
-            rows.push(Row {
-                phase: format!("peak, {shape}, {}x{}", opts.connections, opts.inflight),
-                server,
-                result: medians[v].clone(),
-            });
-        }
-    }
-    let rlsd_peak = rows
-        .iter()
-        .find(|r| r.server == "rlsd")
-        .map_or(1000.0, |r| r.result.rate());
 
-    // Phase 2: open loop at half of rlsd's 3-descriptor peak, the same rate for both.
-    let half = rlsd_peak / 2.0;
-    for (server, clients) in servers {
-        eprintln!("open loop {server} at {half:.0}/s");
-        let phase = open_loop(
-            client_rt.handle(),
-            clients,
-            Arc::clone(&three),
-            half,
-            opts.seconds,
-        );
-        rows.push(Row {
-            phase: format!("open loop {half:.0}/s, 3 desc"),
-            server,
-            result: phase,
-        });
+    // Phase 2: open loop at fractions of rlsd's 3-descriptor peak, the same rate for every
+    // server; the pacer is a thread of its own, counted as client CPU.
+    if opts.phases.iter().any(|p| p == "open") {
+        let rates: Vec<f64> = match (opts.open_rate, rlsd_peak) {
+            (Some(rate), _) => vec![rate],
+            (None, Some(peak)) => opts.open_fractions.iter().map(|f| peak * f).collect(),
+            (None, None) => vec![10_000.0],
+        };
+        for rate in rates {
+            for (server, clients) in &servers {
+                eprintln!("open loop {server} at {rate:.0}/s");
+                let handle = client_rt.handle().clone();
+                let requests = Arc::clone(&three);
+                let seconds = opts.seconds;
+                let phase = std::thread::scope(|scope| {
+                    std::thread::Builder::new()
+                        .name("bench-client-pacer".to_owned())
+                        .spawn_scoped(scope, || {
+                            open_loop(&handle, clients, requests, rate, seconds)
+                        })
+                        .expect("pacer thread")
+                        .join()
+                        .expect("pacer")
+                });
+                let fraction = rlsd_peak.map_or(String::new(), |peak| {
+                    format!(" ({:.0}% pk)", 100.0 * rate / peak)
+                });
+                rows.push(Row {
+                    phase: format!("open {rate:.0}/s{fraction}, 3 desc"),
+                    server,
+                    result: phase,
+                });
+            }
+        }
     }
 
     // Phase 3: one request in flight.
-    for (shape, requests) in shapes {
-        for (server, clients) in servers {
-            eprintln!("1 in flight {server} {shape}");
-            let phase = client_rt.block_on(closed_loop(
-                &clients[..1],
-                1,
-                Arc::clone(requests),
-                opts.seconds,
-            ));
-            rows.push(Row {
-                phase: format!("1 in flight, {shape}"),
-                server,
-                result: phase,
-            });
+    if opts.phases.iter().any(|p| p == "single") {
+        for (shape, requests) in shapes {
+            for (server, clients) in &servers {
+                eprintln!("1 in flight {server} {shape}");
+                let phase = client_rt.block_on(closed_loop(
+                    &clients[..1],
+                    1,
+                    Arc::clone(requests),
+                    opts.seconds,
+                ));
+                rows.push(Row {
+                    phase: format!("1 in flight, {shape}"),
+                    server,
+                    result: phase,
+                });
+            }
         }
     }
 
     println!();
     print_rows(&rows, opts.shared);
     println!();
-    for (shape, ratio) in ratios {
+    for (shape, ratio, cpu) in ratios {
         println!(
             "rlsd / baseline peak throughput, {shape}: {ratio:.2} (target >= 0.90: {})",
             if ratio >= 0.9 { "met" } else { "NOT met" }
         );
+        if let (Some((rlsd, baseline)), false) = (cpu, opts.shared) {
+            println!(
+                "  server CPU per request at peak, {shape}: rlsd {rlsd:.1} µs, baseline {baseline:.1} µs \
+                 (rlsd adds {:.1} µs; CPU-normalised ratio {:.2}, robust to other load on the machine)",
+                rlsd - baseline,
+                baseline / rlsd
+            );
+        }
     }
     let failed = rows.iter().any(|r| {
         r.result.counts.errors > 0 || r.result.counts.wrong > 0 || r.result.counts.over_limit > 0
@@ -752,8 +900,7 @@ fn main() {
         println!("all answers correct: every request OK with one OK status per descriptor");
     }
 
-    drop(rlsd_clients);
-    drop(baseline_clients);
+    drop(servers);
     client_rt.shutdown_timeout(Duration::from_secs(1));
     if let Some(rt) = server_rt {
         rt.shutdown_timeout(Duration::from_secs(1));

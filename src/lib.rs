@@ -9,6 +9,7 @@
 //! - [`store`]: where counters live; decides all checks of a request atomically.
 //! - [`service`]: the tonic service; wire types in, wire types out.
 //! - [`server`]: listeners, signals and shutdown.
+//! - [`simulate`]: `rlsd simulate`, replaying traffic through the engine under each algorithm.
 
 pub mod algorithm;
 pub mod clock;
@@ -18,6 +19,8 @@ pub mod http;
 pub mod limit;
 pub mod metrics;
 pub mod pb;
+pub mod reload;
 pub mod server;
 pub mod service;
+pub mod simulate;
 pub mod store;

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use rlsd::config;
 use rlsd::engine::KeySettings;
 use rlsd::metrics::{DEFAULT_NEAR_LIMIT_RATIO, Metrics};
+use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
@@ -35,6 +36,8 @@ enum Command {
         #[arg(long, env = "RLSD_CONFIG")]
         config: PathBuf,
     },
+    /// Replay traffic against a descriptor's limit under each algorithm; print a table, draw an SVG.
+    Simulate(rlsd::simulate::Args),
 }
 
 #[derive(clap::Args)]
@@ -71,6 +74,12 @@ struct ServeArgs {
     /// `failure_mode_deny` decides), `allow` or `deny`.
     #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
     failure_mode: FailureMode,
+    /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
+    #[arg(long, env = "RLSD_SHADOW_MODE")]
+    shadow_mode: bool,
+    /// How often to look for config changes, in milliseconds (0: only on SIGHUP).
+    #[arg(long, env = "RLSD_RELOAD_INTERVAL_MS", default_value_t = 1000)]
+    reload_interval_ms: u64,
     /// On SIGTERM/SIGINT: seconds to keep answering with health NOT_SERVING before closing.
     #[arg(long, env = "RLSD_DRAIN_SECONDS", default_value_t = 0.0)]
     drain_seconds: f64,
@@ -92,6 +101,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check { config } => return check(&config),
         Command::Serve(args) => serve(args),
+        Command::Simulate(args) => rlsd::simulate::run(&args).map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -133,6 +143,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             },
             headers: args.headers,
             failure_mode: args.failure_mode,
+            shadow_mode: args.shadow_mode,
         };
         match &args.redis_url {
             Some(url) => {
@@ -161,6 +172,12 @@ async fn serve_with<S: Store>(
 ) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
     metrics.config_load_success.inc();
+    let reloader = Arc::new(Reloader::new(
+        args.config.clone(),
+        Arc::clone(&config),
+        Arc::clone(&metrics),
+    ));
+    tokio::spawn(reloader.watch(Duration::from_millis(args.reload_interval_ms)));
     let limiter = RateLimiter::new(Arc::clone(&config), store, settings).with_metrics(metrics);
     let options = ServeOptions {
         drain: Duration::try_from_secs_f64(args.drain_seconds)

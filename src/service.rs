@@ -79,6 +79,9 @@ pub struct ServiceSettings {
     pub headers: HeaderStyle,
     /// The answer when the store fails.
     pub failure_mode: FailureMode,
+    /// Every limit in shadow mode: evaluated, counted and reported, never denying (a dry run
+    /// of a whole config).
+    pub shadow_mode: bool,
 }
 
 /// The rate limit service over a store `S`.
@@ -127,7 +130,12 @@ impl<S: Store> RateLimiter<S> {
         let request = validate(request).inspect_err(|_| self.metrics.invalid_requests.inc())?;
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
-        let plan = engine::plan(&config, &request, &self.settings.keys);
+        let mut plan = engine::plan(&config, &request, &self.settings.keys);
+        if self.settings.shadow_mode {
+            for check in &mut plan.checks {
+                check.shadow = true;
+            }
+        }
         if plan.checks.is_empty() {
             return Ok(assemble(&plan, &[], self.settings.headers));
         }

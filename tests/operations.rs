@@ -36,6 +36,7 @@ fn settings() -> ServiceSettings {
         keys: KeySettings::default(),
         headers: HeaderStyle::XRatelimit,
         failure_mode: FailureMode::Error,
+        shadow_mode: false,
     }
 }
 

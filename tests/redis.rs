@@ -58,6 +58,7 @@ impl Rlsd {
             keys: KeySettings::default(),
             headers: HeaderStyle::XRatelimit,
             failure_mode,
+            shadow_mode: false,
         };
         let (grpc, _http, stop, task) = spawn_server(yaml, store, settings).await;
         Rlsd { grpc, stop, task }

@@ -69,3 +69,68 @@ async fn plans_differ_and_the_edge_spans_api_keys() {
     assert_eq!(pro.statuses[0].limit_remaining, 998);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn the_plan_table_decides_when_envoy_sends_only_the_api_key() {
+    let server = TestServer::start(POLICY).await;
+    let mut client = server.client().await;
+    let plan_of = |key: &str| request("edge-proxy", vec![descriptor(&[("api_key", key)])]);
+    let listed = client
+        .should_rate_limit(plan_of("k-acme-prod"))
+        .await
+        .expect("answer")
+        .into_inner();
+    let unlisted = client
+        .should_rate_limit(plan_of("k-unknown"))
+        .await
+        .expect("answer")
+        .into_inner();
+    let limit =
+        |r: &rlsd::pb::RateLimitResponse| r.statuses[0].current_limit.clone().expect("limited");
+    assert_eq!(limit(&listed).name, "plan-pro");
+    assert_eq!(listed.statuses[0].limit_remaining, 599);
+    assert_eq!(limit(&unlisted).name, "plan-free");
+    assert_eq!(unlisted.statuses[0].limit_remaining, 59);
+    // The table and Envoy's own plan entry share one counter.
+    let explicit = client
+        .should_rate_limit(request(
+            "edge-proxy",
+            vec![descriptor(&[("plan", "pro"), ("api_key", "k-acme-prod")])],
+        ))
+        .await
+        .expect("answer")
+        .into_inner();
+    assert_eq!(explicit.statuses[0].limit_remaining, 598);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn each_layer_is_its_own_key_namespace() {
+    use rlsd::engine::{Descriptor, KeySettings, Request};
+    let domain = rlsd::config::load_str("three-layer.yaml", POLICY).expect("valid");
+    let mut config = rlsd::config::Config::default();
+    config.domains.insert(domain.name.clone(), domain);
+    let entries = |pairs: &[(&str, &str)]| Descriptor {
+        entries: pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Default::default()
+    };
+    let request = Request {
+        domain: "edge-proxy".to_owned(),
+        descriptors: vec![
+            entries(&[("remote_address", "10.0.0.1")]),
+            entries(&[("plan", "free"), ("api_key", "k")]),
+            entries(&[("endpoint", "search"), ("api_key", "k")]),
+        ],
+        hits_addend: 0,
+    };
+    let plan = rlsd::engine::plan(&config, &request, &KeySettings::default());
+    let layers: Vec<&str> = plan
+        .checks
+        .iter()
+        .map(|c| c.key.split(':').nth(1).expect("layer"))
+        .collect();
+    assert_eq!(layers, ["edge", "plan", "endpoint"]);
+}

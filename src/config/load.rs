@@ -11,7 +11,7 @@ use std::fs;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 
-use crate::config::model::{Config, Domain, Level, Node, Policy, Wildcard};
+use crate::config::model::{Config, Domain, Level, Node, PlanTable, Policy, Wildcard};
 use crate::config::yaml::{self, Pos, Value};
 use crate::limit::{Algorithm, Limit, Period, Unit};
 
@@ -59,14 +59,7 @@ fn one_per_line(errors: &[ConfigError]) -> String {
 /// Every problem of every file, each with its file, line and column, in file order.
 pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
-    let files = match fs::metadata(path) {
-        Ok(meta) if meta.is_dir() => match list_dir(path) {
-            Ok(files) => files,
-            Err(error) => return Err(ConfigErrors(vec![error])),
-        },
-        Ok(_) => vec![path.to_path_buf()],
-        Err(error) => return Err(ConfigErrors(vec![unreadable(path, &error)])),
-    };
+    let files = config_files(path).map_err(|error| ConfigErrors(vec![error]))?;
     let mut config = Config::default();
     let mut first_file: HashMap<String, String> = HashMap::new();
     for file in files {
@@ -119,6 +112,18 @@ pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
 /// Every problem of the file, sorted by line and column.
 pub fn load_str(file_name: &str, yaml: &str) -> Result<Domain, Vec<ConfigError>> {
     load_file(file_name, yaml).result
+}
+
+/// The files [`load_path`] reads for `path`: the file itself, or a directory's config files.
+///
+/// # Errors
+/// When the path or the directory cannot be read.
+pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    match fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => list_dir(path),
+        Ok(_) => Ok(vec![path.to_path_buf()]),
+        Err(error) => Err(unreadable(path, &error)),
+    }
 }
 
 /// The config files of a directory, sorted by name.
@@ -194,8 +199,9 @@ fn load_file(file: &str, text: &str) -> Loaded {
         domain: String::new(),
         limit_names: HashSet::new(),
         replaces_refs: Vec::new(),
+        layers: None,
     };
-    let (domain, root) = walker.file(&root);
+    let (domain, root, plans) = walker.file(&root);
     walker.check_replaces();
     let mut errors = walker.errors;
     let result = match (&domain, errors.is_empty()) {
@@ -203,6 +209,7 @@ fn load_file(file: &str, text: &str) -> Loaded {
             name: name.clone(),
             source: file.to_owned(),
             root,
+            plans,
         }),
         _ => {
             errors.sort_by_key(|error| (error.line, error.column));
@@ -213,11 +220,14 @@ fn load_file(file: &str, text: &str) -> Loaded {
 }
 
 /// Keys allowed at the top of a file.
-const FILE_KEYS: &[&str] = &["domain", "descriptors"];
+const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors"];
+/// Keys allowed in `plans:`.
+const PLANS_KEYS: &[&str] = &["from", "entry", "default", "keys"];
 /// Keys allowed in a descriptor.
 const DESCRIPTOR_KEYS: &[&str] = &[
     "key",
     "value",
+    "layer",
     "rate_limit",
     "rate_limits",
     "shadow_mode",
@@ -296,6 +306,8 @@ struct Walker<'a> {
     limit_names: HashSet<String>,
     /// Every `replaces` name not already rejected, checked against `limit_names` at the end.
     replaces_refs: Vec<(String, Pos)>,
+    /// `layers:` as declared; when given, every `layer:` must be one of them.
+    layers: Option<Vec<String>>,
 }
 
 impl Walker<'_> {
@@ -401,19 +413,22 @@ impl Walker<'_> {
         None
     }
 
-    /// The whole file: its domain (name and key position) and its top level.
-    fn file(&mut self, root: &YNode) -> (Option<(String, Pos)>, Level) {
+    /// The whole file: its domain (name and key position), its top level and its plan table.
+    fn file(&mut self, root: &YNode) -> (Option<(String, Pos)>, Level, Option<PlanTable>) {
         let mut level = Level::default();
         if matches!(root.value, Value::Null) {
             self.error(
                 Pos::new(1, 1),
                 "config file is empty: it needs 'domain' and 'descriptors'".to_owned(),
             );
-            return (None, level);
+            return (None, level, None);
         }
         let Some(fields) = self.fields(root, "config file", FILE_KEYS) else {
-            return (None, level);
+            return (None, level, None);
         };
+        if let Some((_, layers)) = fields.get("layers") {
+            self.layers = self.layer_list(layers);
+        }
         let mut domain = None;
         match fields.raw("domain") {
             None => self.error(
@@ -433,17 +448,119 @@ impl Walker<'_> {
         }
         if let Some((_, descriptors)) = fields.get("descriptors") {
             let parent = self.domain.clone();
-            self.descriptors(descriptors, &parent, &mut level);
+            self.descriptors(descriptors, &parent, None, &mut level);
         }
-        (domain, level)
+        let plans = fields
+            .get("plans")
+            .and_then(|(_, plans)| self.plans(plans, &level));
+        (domain, level, plans)
     }
 
-    /// A `descriptors:` list, each placed into `level`.
-    fn descriptors(&mut self, node: &YNode, parent_path: &str, level: &mut Level) {
+    /// `layers: [edge, plan, endpoint]`: distinct non-empty names.
+    fn layer_list(&mut self, node: &YNode) -> Option<Vec<String>> {
+        let Value::Seq(items) = &node.value else {
+            let found = self.describe(node);
+            self.error(node.pos, format!("layers must be a list, found {found}"));
+            return None;
+        };
+        let mut names: Vec<String> = Vec::new();
+        for item in items {
+            match self.text("layer", item) {
+                Some(name) if name.is_empty() => {
+                    self.error(item.pos, "layer names must not be empty".to_owned());
+                }
+                Some(name) if names.contains(&name) => {
+                    self.error(item.pos, format!("duplicate layer '{name}'"));
+                }
+                Some(name) => names.push(name),
+                None => {}
+            }
+        }
+        Some(names)
+    }
+
+    /// `plans:`: the API key -> plan table; every plan it names must have a descriptor.
+    fn plans(&mut self, node: &YNode, root: &Level) -> Option<PlanTable> {
+        let fields = self.fields(node, "plans", PLANS_KEYS)?;
+        let required = |walker: &mut Self, name: &str| match fields.get(name) {
+            Some((_, value)) => match walker.text(name, value) {
+                Some(text) if text.is_empty() => {
+                    walker.error(value.pos, format!("plans.{name} must not be empty"));
+                    None
+                }
+                other => other.map(|text| (text, value.pos)),
+            },
+            None => {
+                walker.error(node.pos, format!("plans is missing '{name}'"));
+                None
+            }
+        };
+        let from = required(self, "from");
+        let entry = required(self, "entry");
+        let default = required(self, "default");
+        let mut keys = HashMap::new();
+        let mut named = Vec::new();
+        if let Some((_, table)) = fields.get("keys") {
+            match &table.value {
+                Value::Map(entries) => {
+                    for (key, plan) in entries {
+                        let (Some(key_text), Some(plan_text)) =
+                            (self.text("plans key", key), self.text("plan", plan))
+                        else {
+                            continue;
+                        };
+                        named.push((plan_text.clone(), plan.pos));
+                        keys.insert(key_text, plan_text);
+                    }
+                }
+                _ => {
+                    let found = self.describe(table);
+                    self.error(
+                        table.pos,
+                        format!("plans.keys must be a mapping, found {found}"),
+                    );
+                }
+            }
+        }
+        let (Some((from, _)), Some((entry, _)), Some((default, default_pos))) =
+            (from, entry, default)
+        else {
+            return None;
+        };
+        named.push((default.clone(), default_pos));
+        for (plan, pos) in named {
+            let described = root.keys.get(&entry).is_some_and(|nodes| {
+                nodes.exact.contains_key(&plan)
+                    || nodes.wildcards.iter().any(|(w, _)| w.matches(&plan))
+                    || nodes.default.is_some()
+            });
+            if !described {
+                self.error(
+                    pos,
+                    format!("plan '{plan}' has no top-level descriptor '{entry}: {plan}' to match"),
+                );
+            }
+        }
+        Some(PlanTable {
+            from,
+            entry,
+            default,
+            keys,
+        })
+    }
+
+    /// A `descriptors:` list, each placed into `level`; `layer` is the parent's.
+    fn descriptors(
+        &mut self,
+        node: &YNode,
+        parent_path: &str,
+        layer: Option<&str>,
+        level: &mut Level,
+    ) {
         match &node.value {
             Value::Seq(items) => {
                 for item in items {
-                    self.descriptor(item, parent_path, level);
+                    self.descriptor(item, parent_path, layer, level);
                 }
             }
             _ => {
@@ -457,7 +574,13 @@ impl Walker<'_> {
     }
 
     /// One descriptor, placed into `level` unless it is broken or a duplicate.
-    fn descriptor(&mut self, item: &YNode, parent_path: &str, level: &mut Level) {
+    fn descriptor(
+        &mut self,
+        item: &YNode,
+        parent_path: &str,
+        parent_layer: Option<&str>,
+        level: &mut Level,
+    ) {
         let Some(fields) = self.fields(item, "descriptor", DESCRIPTOR_KEYS) else {
             return;
         };
@@ -486,8 +609,15 @@ impl Walker<'_> {
             Some((value, _)) => format!("{parent_path}.{key_text}_{value}"),
             None => format!("{parent_path}.{key_text}"),
         };
+        let layer = match fields.get("layer") {
+            Some((_, layer)) => self
+                .layer(layer)
+                .or_else(|| parent_layer.map(str::to_owned)),
+            None => parent_layer.map(str::to_owned),
+        };
         let mut node = Node {
             path,
+            layer,
             ..Node::default()
         };
         if let Some((_, flag)) = fields.get("detailed_metric") {
@@ -500,7 +630,8 @@ impl Walker<'_> {
         node.policy = self.policy(&fields, shadow);
         if let Some((_, children)) = fields.get("descriptors") {
             let path = node.path.clone();
-            self.descriptors(children, &path, &mut node.children);
+            let layer = node.layer.clone();
+            self.descriptors(children, &path, layer.as_deref(), &mut node.children);
         }
         let Some((key, key_pos)) = key else {
             return;
@@ -529,6 +660,26 @@ impl Walker<'_> {
             duplicate_at,
             format!("duplicate descriptor composite key '{}'", node.path),
         );
+    }
+
+    /// A `layer:` name; one of `layers:` when those are declared.
+    fn layer(&mut self, node: &YNode) -> Option<String> {
+        let name = self.text("layer", node)?;
+        if name.is_empty() {
+            self.error(node.pos, "layer must not be empty".to_owned());
+            return None;
+        }
+        if let Some(declared) = &self.layers
+            && !declared.contains(&name)
+        {
+            let declared = declared.join(", ");
+            self.error(
+                node.pos,
+                format!("unknown layer '{name}' (declared layers: {declared})"),
+            );
+            return None;
+        }
+        Some(name)
     }
 
     /// A descriptor's `rate_limit` / `rate_limits`; `None` if it has none or they are broken.

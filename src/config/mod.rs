@@ -6,5 +6,5 @@ pub mod model;
 mod tests;
 mod yaml;
 
-pub use load::{ConfigError, ConfigErrors, load_path, load_str};
-pub use model::{Config, Domain, KeyNodes, Level, Node, Policy, Wildcard};
+pub use load::{ConfigError, ConfigErrors, config_files, load_path, load_str};
+pub use model::{Config, Domain, KeyNodes, Level, Node, PlanTable, Policy, Wildcard};

@@ -20,6 +20,31 @@ pub struct Domain {
     pub source: String,
     /// Top-level descriptors.
     pub root: Level,
+    /// `plans:`: the plan of each API key, for requests where Envoy cannot supply it.
+    pub plans: Option<PlanTable>,
+}
+
+/// Maps an API key to its plan, so a descriptor `[api_key=K]` is matched as
+/// `[plan=<plan of K>, api_key=K]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanTable {
+    /// The entry whose value selects the plan (`api_key`).
+    pub from: String,
+    /// The entry the plan is placed in, before `from` (`plan`).
+    pub entry: String,
+    /// The plan of keys not in `keys`.
+    pub default: String,
+    /// Plan by key value.
+    pub keys: HashMap<String, String>,
+}
+
+impl PlanTable {
+    /// The plan of `key`.
+    pub fn plan_of(&self, key: &str) -> &str {
+        self.keys
+            .get(key)
+            .map_or(self.default.as_str(), String::as_str)
+    }
 }
 
 /// The descriptors at one depth of the tree, indexed for matching.
@@ -89,6 +114,8 @@ pub struct Node {
     pub policy: Option<Policy>,
     /// `detailed_metric: true`: metrics carry the request's values.
     pub detailed_metric: bool,
+    /// The key namespace (`layer:`, inherited from the parent); `None` is the default layer.
+    pub layer: Option<String>,
     /// Nested descriptors.
     pub children: Level,
 }

@@ -699,7 +699,7 @@ fn unknown_keys_each_at_its_own_line() {
     assert!(
         errors[1]
             .reason
-            .contains("valid keys: key, value, rate_limit")
+            .contains("valid keys: key, value, layer, rate_limit")
     );
     assert_eq!(errors[1].column, 5);
 }
@@ -1413,4 +1413,139 @@ fn truncated_and_mangled_files_never_panic_and_always_have_lines() {
             }
         }
     }
+}
+
+#[test]
+fn layers_are_declared_inherited_and_checked() {
+    let domain = load(
+        "
+        domain: d
+        layers: [edge, plan]
+        descriptors:
+          - key: ip
+            layer: edge
+            rate_limit: {unit: second, requests_per_unit: 1}
+          - key: plan
+            layer: plan
+            descriptors:
+              - key: api_key
+                rate_limit: {unit: second, requests_per_unit: 1}
+          - key: other
+            rate_limit: {unit: second, requests_per_unit: 1}
+        ",
+    );
+    let root = &domain.root;
+    assert_eq!(default(root, "ip").layer.as_deref(), Some("edge"));
+    let plan = default(root, "plan");
+    assert_eq!(
+        default(&plan.children, "api_key").layer.as_deref(),
+        Some("plan")
+    );
+    assert_eq!(default(root, "other").layer, None);
+
+    let errors = errors(
+        "
+        domain: d
+        layers: [edge, edge, '']
+        descriptors:
+          - key: ip
+            layer: egde
+            rate_limit: {unit: second, requests_per_unit: 1}
+        ",
+    );
+    let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+    let lines: Vec<u64> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(lines, [2, 2, 5], "{reasons:?}");
+    assert!(reasons[0].contains("duplicate layer 'edge'"));
+    assert!(reasons[1].contains("layer names must not be empty"));
+    assert!(reasons[2].contains("unknown layer 'egde' (declared layers: edge)"));
+}
+
+#[test]
+fn plan_tables_load_and_every_plan_must_have_a_descriptor() {
+    let domain = load(
+        "
+        domain: d
+        plans:
+          from: api_key
+          entry: plan
+          default: free
+          keys: {k1: pro}
+        descriptors:
+          - key: plan
+            value: free
+          - key: plan
+            value: pro
+        ",
+    );
+    let plans = domain.plans.expect("plans");
+    assert_eq!(
+        (plans.plan_of("k1"), plans.plan_of("nobody")),
+        ("pro", "free")
+    );
+
+    let errors = errors(
+        "
+        domain: d
+        plans:
+          from: api_key
+          default: gold
+          keys: {k1: silver}
+          colour: red
+        descriptors:
+          - key: plan
+            value: free
+        ",
+    );
+    let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(errors.len(), 2, "{reasons:?}");
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("unknown key 'colour' in plans")),
+        "{reasons:?}"
+    );
+    let errors = errors_of_missing_entry();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.reason.contains("plans is missing 'entry'"))
+    );
+}
+
+fn errors_of_missing_entry() -> Vec<ConfigError> {
+    errors(
+        "
+        domain: d
+        plans: {from: api_key, default: free}
+        descriptors:
+          - key: plan
+            value: free
+        ",
+    )
+}
+
+#[test]
+fn plans_naming_plans_without_descriptors_are_errors() {
+    let errors = errors(
+        "
+        domain: d
+        plans: {from: api_key, entry: plan, default: gold, keys: {k1: silver, k2: free}}
+        descriptors:
+          - key: plan
+            value: free
+        ",
+    );
+    let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(errors.len(), 2, "{reasons:?}");
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("plan 'silver' has no top-level descriptor 'plan: silver'"))
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("plan 'gold' has no top-level descriptor"))
+    );
 }

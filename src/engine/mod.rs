@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::ops::Range;
 
 use crate::algorithm::{Hits, Params};
-use crate::config::{Config, Policy};
+use crate::config::{Config, Domain, Policy};
 use crate::limit::{Limit, Unit};
 use crate::store::Check;
 
@@ -71,7 +71,12 @@ pub struct PlannedLimit<'c> {
     pub path: Option<&'c str>,
     /// `detailed_metric: true`: metrics are labelled with the request's own values.
     pub detailed: bool,
+    /// The node's layer; `None` is the default layer.
+    pub layer: Option<&'c str>,
 }
+
+/// The key component of the default layer (descriptors without `layer:`).
+pub const DEFAULT_LAYER: &str = "_";
 
 /// What decides one request descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,16 +115,24 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         return plan;
     };
 
+    // The entries each descriptor is matched and keyed by (a lone API key gains its plan).
+    let effective: Vec<Cow<'_, [(String, String)]>> = request
+        .descriptors
+        .iter()
+        .map(|descriptor| with_plan(domain, &descriptor.entries))
+        .collect();
     let matched: Vec<Matched<'c>> = request
         .descriptors
         .iter()
-        .map(|descriptor| match descriptor.limit_override {
+        .enumerate()
+        .map(|(index, descriptor)| match descriptor.limit_override {
             Some(o) => Matched::Limits(vec![PlannedLimit {
                 limit: Cow::Owned(Limit::fixed(o.requests_per_unit, o.unit)),
                 path: None,
                 detailed: false,
+                layer: None,
             }]),
-            None => match matcher::find(&domain.root, &descriptor.entries) {
+            None => match matcher::find(&domain.root, &effective[index]) {
                 Some(node) => match &node.policy {
                     None => Matched::Nothing,
                     Some(Policy::Unlimited { name, replaces }) => {
@@ -132,6 +145,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                                 limit: Cow::Borrowed(limit),
                                 path: Some(node.path.as_str()),
                                 detailed: node.detailed_metric,
+                                layer: node.layer.as_deref(),
                             })
                             .collect(),
                     ),
@@ -159,6 +173,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(name));
 
     for (index, (descriptor, matched)) in request.descriptors.iter().zip(matched).enumerate() {
+        let entries: &[(String, String)] = &effective[index];
         let decision = match matched {
             Matched::Nothing => Decision::NoLimit,
             Matched::Unlimited(name, _) if is_replaced(name) => Decision::NoLimit,
@@ -173,10 +188,10 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                     plan.checks.push(Check {
                         key: key::encode(
                             keys,
-                            "_",
+                            planned.layer.unwrap_or(DEFAULT_LAYER),
                             &request.domain,
                             &planned.limit,
-                            &descriptor.entries,
+                            entries,
                         ),
                         params: Params::of(&planned.limit),
                         hits,
@@ -195,6 +210,18 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         plan.decisions.push(decision);
     }
     plan
+}
+
+/// `[api_key=K]` becomes `[plan=<plan of K>, api_key=K]` when the domain has a plan table
+/// (Envoy could not supply the plan); every other descriptor is left as it is.
+fn with_plan<'e>(domain: &Domain, entries: &'e [(String, String)]) -> Cow<'e, [(String, String)]> {
+    match (&domain.plans, entries) {
+        (Some(plans), [(key, value)]) if *key == plans.from => Cow::Owned(vec![
+            (plans.entry.clone(), plans.plan_of(value).to_owned()),
+            (key.clone(), value.clone()),
+        ]),
+        _ => Cow::Borrowed(entries),
+    }
 }
 
 enum Matched<'c> {

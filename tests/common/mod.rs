@@ -102,6 +102,7 @@ impl TestServer {
             keys: KeySettings::default(),
             headers,
             failure_mode: Default::default(),
+            shadow_mode: false,
         };
         let (grpc, http, stop, task) = spawn_server(yaml, Arc::clone(&store), settings).await;
         TestServer {

@@ -1,0 +1,209 @@
+//! Hot reload of the real binary: file changes, SIGHUP, a Kubernetes `..data` symlink swap, and
+//! a broken edit that must change nothing.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use std::time::{Duration, Instant};
+
+use common::{descriptor, http_get, request};
+use rlsd::pb::RateLimitServiceClient;
+use tonic::transport::Channel;
+
+const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
+
+fn config(limit: u32) -> String {
+    format!(
+        "domain: live\ndescriptors:\n  - key: user\n    rate_limit: {{unit: day, requests_per_unit: {limit}}}\n"
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+struct Running {
+    child: Child,
+    grpc: u16,
+    http: u16,
+    log: tempfile::NamedTempFile,
+}
+
+impl Running {
+    async fn start(config_path: &Path, extra: &[&str]) -> Running {
+        let (grpc, http) = (free_port(), free_port());
+        let log = tempfile::NamedTempFile::new().expect("log file");
+        let child = Command::new(RLSD)
+            .arg("serve")
+            .arg("--config")
+            .arg(config_path)
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                &format!("127.0.0.1:{http}"),
+            ])
+            .args(extra)
+            .stderr(Stdio::from(log.reopen().expect("log file")))
+            .spawn()
+            .expect("spawn rlsd");
+        let running = Running {
+            child,
+            grpc,
+            http,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(("127.0.0.1", http))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "rlsd did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        running
+    }
+
+    async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://127.0.0.1:{}", self.grpc))
+            .await
+            .expect("connect")
+    }
+
+    async fn remaining(&self, user: &str) -> u32 {
+        let response = self
+            .client()
+            .await
+            .should_rate_limit(request("live", vec![descriptor(&[("user", user)])]))
+            .await
+            .expect("answer")
+            .into_inner();
+        response.statuses[0].limit_remaining
+    }
+
+    async fn rlconfig(&self) -> String {
+        http_get(([127, 0, 0, 1], self.http).into(), "/rlconfig")
+            .await
+            .1
+    }
+
+    async fn wait_for_config(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !self.rlconfig().await.contains(needle) {
+            assert!(Instant::now() < deadline, "config never showed {needle:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let (_, body) = http_get(([127, 0, 0, 1], self.http).into(), "/metrics").await;
+        body.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).expect("read log")
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn a_changed_file_reloads_without_restart_and_counters_survive() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("live.yaml");
+    std::fs::write(&file, config(3)).expect("write");
+    let rlsd = Running::start(dir.path(), &["--reload-interval-ms", "100"]).await;
+    assert_eq!(rlsd.remaining("ann").await, 2);
+    assert_eq!(rlsd.remaining("ann").await, 1);
+
+    std::fs::write(&file, config(5)).expect("write");
+    rlsd.wait_for_config("live.user: 5 per day").await;
+    // Raised mid-window, the new limit applies to the current window: 3 used of 5.
+    assert_eq!(rlsd.remaining("ann").await, 2);
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_success").await,
+        2.0
+    );
+
+    // A broken edit is rejected, counted, and changes nothing.
+    std::fs::write(
+        &file,
+        "domain: live\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight}\n",
+    )
+    .expect("write");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rlsd.metric("ratelimit_service_config_load_error").await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the broken file was never looked at"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rlsd.rlconfig().await.contains("live.user: 5 per day"));
+    assert_eq!(rlsd.remaining("ann").await, 1);
+    let log = rlsd.log();
+    assert!(log.contains("config reload rejected"), "{log}");
+    assert!(
+        log.contains("live.yaml:4:"),
+        "the log names file and line: {log}"
+    );
+    assert!(log.contains("invalid rate limit unit 'fortnight'"), "{log}");
+}
+
+#[tokio::test]
+async fn sighup_reloads_when_polling_is_off() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("live.yaml");
+    std::fs::write(&file, config(3)).expect("write");
+    let rlsd = Running::start(&file, &["--reload-interval-ms", "0"]).await;
+    std::fs::write(&file, config(7)).expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rlsd.rlconfig().await.contains("3 per day"),
+        "no reload without SIGHUP"
+    );
+    rlsd.signal("-HUP");
+    rlsd.wait_for_config("live.user: 7 per day").await;
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_kubernetes_configmap_symlink_swap_is_seen() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    std::fs::create_dir(root.join("..2026_12_02_v1")).expect("mkdir");
+    std::fs::write(root.join("..2026_12_02_v1/live.yaml"), config(3)).expect("write");
+    symlink("..2026_12_02_v1", root.join("..data")).expect("symlink");
+    symlink("..data/live.yaml", root.join("live.yaml")).expect("symlink");
+    let rlsd = Running::start(root, &["--reload-interval-ms", "100"]).await;
+    assert!(rlsd.rlconfig().await.contains("3 per day"));
+
+    // What the kubelet does: write a new version, then atomically replace `..data`.
+    std::fs::create_dir(root.join("..2026_12_02_v2")).expect("mkdir");
+    std::fs::write(root.join("..2026_12_02_v2/live.yaml"), config(9)).expect("write");
+    symlink("..2026_12_02_v2", root.join("..data_tmp")).expect("symlink");
+    std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
+    std::fs::remove_dir_all(root.join("..2026_12_02_v1")).expect("cleanup");
+    rlsd.wait_for_config("live.user: 9 per day").await;
+}
