@@ -494,3 +494,21 @@ async fn a_full_store_answers_unavailable_and_changes_nothing() {
     assert_eq!(ann.statuses[0].limit_remaining, 1);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn global_shadow_mode_counts_but_never_denies() {
+    let settings = rlsd::service::ServiceSettings {
+        shadow_mode: true,
+        ..Default::default()
+    };
+    let server = TestServer::start_settings(LIMITS, settings, 100).await;
+    for expected_remaining in [2, 1, 0, 0, 0] {
+        let response = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])]))
+            .await
+            .expect("answer");
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        assert_eq!(response.statuses[0].limit_remaining, expected_remaining);
+        assert_eq!(header(&response, "retry-after"), None);
+    }
+    server.stop().await;
+}

@@ -96,14 +96,19 @@ impl TestServer {
 
     /// Serves `yaml` with the given header style and key cap.
     pub async fn start_with(yaml: &str, headers: HeaderStyle, max_keys: usize) -> TestServer {
-        let clock = ManualClock::at(T0);
-        let store = Arc::new(MemoryStore::with_clock(max_keys, clock.clone()));
         let settings = ServiceSettings {
             keys: KeySettings::default(),
             headers,
             failure_mode: Default::default(),
             shadow_mode: false,
         };
+        TestServer::start_settings(yaml, settings, max_keys).await
+    }
+
+    /// Serves `yaml` with `settings` on an in-process store of `max_keys` keys.
+    pub async fn start_settings(yaml: &str, settings: ServiceSettings, max_keys: usize) -> TestServer {
+        let clock = ManualClock::at(T0);
+        let store = Arc::new(MemoryStore::with_clock(max_keys, clock.clone()));
         let (grpc, http, stop, task) = spawn_server(yaml, Arc::clone(&store), settings).await;
         TestServer {
             grpc,
