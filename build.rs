@@ -6,7 +6,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto");
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        // For gRPC reflection (grpcurl and friends); prost includes the imported files.
+        .file_descriptor_set_path(out_dir.join("rls_descriptor.bin"))
         .build_client(true)
         .build_server(true)
         .compile_protos(

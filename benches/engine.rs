@@ -12,10 +12,16 @@
 //! Time: stores run on a `ManualClock` that moves 1 µs every `BATCH` requests (so windows never
 //! roll over and every limit is far from full: the measured path includes commits), except the
 //! row marked "system clock" and the sliding-log rows, whose log is first filled with N distinct
-//! timestamps and whose clock then stays put (the log's cost grows with its length). Cases alternate over `RLSD_BENCH_ROUNDS` rounds (default 3) of
+//! timestamps and whose clock then stays put (the log's cost grows with its length).
+//!
+//! Rates are per second of this thread's on-CPU time (`/proc/thread-self/schedstat`), so other
+//! jobs on this shared 2-core machine taking the core do not count; "on-CPU" shows the share of
+//! wall time the thread got. Cases alternate over `RLSD_BENCH_ROUNDS` rounds (default 3) of
 //! `RLSD_BENCH_SECONDS` each (default 0.6) and the median round is printed, as
-//! `/work/shared/PERF.md` asks for on these noisy shared machines. `RLSD_BENCH_KEYS` (default
-//! 100000) sets the distinct-key count. Figures only: nothing here asserts a timing.
+//! `/work/shared/PERF.md` asks. `RLSD_BENCH_KEYS` (default 100000) sets the distinct-key count;
+//! `RLSD_BENCH_FILTER` keeps only cases whose name contains it (handy under `perf record`).
+//! A counting global allocator reports allocations per request (counted in a separate pass, so
+//! the timed loops pay one relaxed load per allocation). Figures only: nothing asserts a timing.
 //!
 //! Run: `cargo bench --bench engine` (or `RLSD_BENCH_SECONDS=3 cargo bench --bench engine`).
 

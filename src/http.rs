@@ -1,19 +1,23 @@
-//! The admin HTTP port: `/healthcheck`, `/metrics` and `/rlconfig`, as envoyproxy/ratelimit
-//! serves them.
+//! The admin HTTP port: `/healthcheck`, `/metrics`, `/rlconfig` and `/json`, as
+//! envoyproxy/ratelimit serves them.
 
 use std::fmt::Write;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 
 use crate::config::{Config, Level, Policy};
+use crate::json;
 use crate::metrics::Metrics;
+use crate::pb::rate_limit_response::Code;
 use crate::server::Health;
+use crate::service::Decide;
 
 /// What the admin routes read.
 #[derive(Clone)]
@@ -24,6 +28,8 @@ pub struct AdminState {
     pub metrics: Arc<Metrics>,
     /// Draining and store health.
     pub health: Arc<Health>,
+    /// The service, for `/json`.
+    pub limiter: Arc<dyn Decide>,
 }
 
 /// The admin routes.
@@ -32,6 +38,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
         .route("/rlconfig", get(rlconfig))
+        .route("/json", post(json_request))
         .with_state(state)
 }
 
@@ -53,6 +60,29 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
         )],
         state.metrics.render(),
     )
+}
+
+/// `POST /json`: a proto3-JSON `RateLimitRequest`; 200 OK, 429 over the limit, 400 malformed.
+async fn json_request(State(state): State<AdminState>, body: Bytes) -> Response {
+    let request = match json::parse_request(&body) {
+        Ok(request) => request,
+        Err(reason) => return (StatusCode::BAD_REQUEST, reason).into_response(),
+    };
+    match state.limiter.decide_request(request).await {
+        Ok(response) => {
+            let status = if response.overall_code == i32::from(Code::OverLimit) {
+                StatusCode::TOO_MANY_REQUESTS
+            } else {
+                StatusCode::OK
+            };
+            let body = json::render_response(&response).to_string();
+            (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+        }
+        Err(error) if error.code() == tonic::Code::InvalidArgument => {
+            (StatusCode::BAD_REQUEST, error.message().to_owned()).into_response()
+        }
+        Err(error) => (StatusCode::SERVICE_UNAVAILABLE, error.message().to_owned()).into_response(),
+    }
 }
 
 async fn rlconfig(State(state): State<AdminState>) -> String {

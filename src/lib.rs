@@ -16,6 +16,7 @@ pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod http;
+pub mod json;
 pub mod limit;
 pub mod metrics;
 pub mod pb;

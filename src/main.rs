@@ -22,8 +22,23 @@ use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
 #[derive(Parser)]
 #[command(version, about)]
 struct Cli {
+    /// Log level (`error`, `warn`, `info`, `debug`, `trace`); `RLSD_LOG` takes a full filter.
+    #[arg(long, global = true, env = "RLSD_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+    /// Log format.
+    #[arg(long, global = true, env = "RLSD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// How log lines are written to stderr.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -89,15 +104,8 @@ struct ServeArgs {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RLSD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    init_logs(&cli);
     let result = match cli.command {
         Command::Check { config } => return check(&config),
         Command::Serve(args) => serve(args),
@@ -109,6 +117,20 @@ fn main() -> ExitCode {
             eprintln!("rlsd: {error:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn init_logs(cli: &Cli) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RLSD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().init(),
     }
 }
 

@@ -33,6 +33,9 @@ pub mod envoy {
     }
 }
 
+/// The encoded descriptors of every proto rlsd serves, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rls_descriptor");
+
 pub use envoy::config::core::v3::HeaderValue;
 pub use envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};
 pub use envoy::service::ratelimit::v3::{

@@ -32,6 +32,9 @@ pub enum ServerError {
     /// The admin HTTP server failed.
     #[error("http server: {0}")]
     Http(#[source] std::io::Error),
+    /// The reflection service could not be built from the embedded descriptors.
+    #[error("grpc reflection: {0}")]
+    Reflection(String),
 }
 
 /// The sockets rlsd serves on, bound before the config is trusted to serve.
@@ -133,6 +136,7 @@ pub async fn run_with<S: Store>(
     set_grpc_health(&reporter, true).await;
     let metrics = limiter.metrics();
     let store = limiter.store();
+    let limiter = Arc::new(limiter);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -172,16 +176,23 @@ pub async fn run_with<S: Store>(
         });
     }
 
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|error| ServerError::Reflection(error.to_string()))?;
     let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)
-        .add_service(RateLimitServiceServer::new(limiter))
+        .add_service(reflection)
+        .add_service(RateLimitServiceServer::from_arc(Arc::clone(&limiter)))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     let admin_state = AdminState {
         config,
         metrics,
         health,
+        limiter,
     };
     let admin = axum::serve(listeners.http, http::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));

@@ -1,5 +1,7 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -240,6 +242,25 @@ impl<S: Store> RateLimiter<S> {
             statuses,
             ..Default::default()
         })
+    }
+}
+
+/// Something that answers `ShouldRateLimit`, without naming its store: what the admin `/json`
+/// endpoint calls.
+pub trait Decide: Send + Sync + 'static {
+    /// Answers one request.
+    fn decide_request(
+        &self,
+        request: pb::RateLimitRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>>;
+}
+
+impl<S: Store> Decide for RateLimiter<S> {
+    fn decide_request(
+        &self,
+        request: pb::RateLimitRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>> {
+        Box::pin(self.decide(request))
     }
 }
 

@@ -212,3 +212,52 @@ fn script_sha() -> String {
         .cli(&["SCRIPT", "LOAD", include_str!("../lua/ratelimit.lua")])
         .expect("load")
 }
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let (grpc, http) = (free_port(), free_port());
+    let mut child = Command::new(RLSD)
+        .args([
+            "serve",
+            "--config",
+            "examples/three-layer.yaml",
+            "--log-format",
+            "json",
+        ])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http_get(http, "/healthcheck").is_none() {
+        assert!(Instant::now() < deadline, "rlsd did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    assert!(child.wait().expect("wait").success());
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("read");
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?} is not JSON: {e}"))
+        })
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["fields"]["message"] == "serving"),
+        "{stderr}"
+    );
+    assert!(lines.iter().all(|l| l["level"].is_string()), "{stderr}");
+}

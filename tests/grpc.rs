@@ -503,9 +503,12 @@ async fn global_shadow_mode_counts_but_never_denies() {
     };
     let server = TestServer::start_settings(LIMITS, settings, 100).await;
     for expected_remaining in [2, 1, 0, 0, 0] {
-        let response = ask(&server, request("shop", vec![descriptor(&[("user", "ann")])]))
-            .await
-            .expect("answer");
+        let response = ask(
+            &server,
+            request("shop", vec![descriptor(&[("user", "ann")])]),
+        )
+        .await
+        .expect("answer");
         assert_eq!(response.overall_code, Code::Ok as i32);
         assert_eq!(response.statuses[0].limit_remaining, expected_remaining);
         assert_eq!(header(&response, "retry-after"), None);

@@ -277,3 +277,77 @@ async fn calls_in_flight_at_shutdown_all_complete() {
     task.await.expect("server");
     stall.join().expect("stall thread");
 }
+
+#[tokio::test]
+async fn the_json_endpoint_answers_200_429_and_400() {
+    let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
+    let (_grpc, http, stop, task, _) =
+        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    let body = r#"{"domain":"ops","descriptors":[{"entries":[{"key":"user","value":"j"}]}],"hitsAddend":2}"#;
+    let (status, answer) = common::http_post(http, "/json", body).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer: serde_json::Value = serde_json::from_str(&answer).expect("json");
+    assert_eq!(answer["overallCode"], "OK");
+    assert_eq!(answer["statuses"][0]["limitRemaining"], 1);
+    assert_eq!(answer["statuses"][0]["currentLimit"]["unit"], "MINUTE");
+    assert_eq!(answer["statuses"][0]["durationUntilReset"], "60s");
+    let (status, answer) = common::http_post(http, "/json", body).await;
+    assert_eq!(status, 429, "{answer}");
+    assert!(answer.contains("\"OVER_LIMIT\""), "{answer}");
+    for bad in [
+        "{not json",
+        r#"{"domain":"ops","descriptors":[],"colour":1}"#,
+        r#"{"domain":"","descriptors":[{"entries":[{"key":"a"}]}]}"#,
+    ] {
+        let (status, answer) = common::http_post(http, "/json", bad).await;
+        assert_eq!(status, 400, "{bad}: {answer}");
+        assert!(!answer.is_empty());
+    }
+    let _ = stop.send(());
+    task.await.expect("server");
+}
+
+#[tokio::test]
+async fn grpc_reflection_lists_the_services() {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
+    let (grpc, _http, stop, task, _) =
+        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = ServerReflectionClient::new(channel);
+    let ask = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = client
+        .server_reflection_info(tokio_stream::iter([ask]))
+        .await
+        .expect("reflection answers")
+        .into_inner();
+    let answer = answers
+        .message()
+        .await
+        .expect("stream")
+        .expect("one answer");
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        panic!("unexpected answer {answer:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"envoy.service.ratelimit.v3.RateLimitService".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_owned()),
+        "{names:?}"
+    );
+    let _ = stop.send(());
+    task.await.expect("server");
+}

@@ -106,7 +106,11 @@ impl TestServer {
     }
 
     /// Serves `yaml` with `settings` on an in-process store of `max_keys` keys.
-    pub async fn start_settings(yaml: &str, settings: ServiceSettings, max_keys: usize) -> TestServer {
+    pub async fn start_settings(
+        yaml: &str,
+        settings: ServiceSettings,
+        max_keys: usize,
+    ) -> TestServer {
         let clock = ManualClock::at(T0);
         let store = Arc::new(MemoryStore::with_clock(max_keys, clock.clone()));
         let (grpc, http, stop, task) = spawn_server(yaml, Arc::clone(&store), settings).await;
@@ -168,11 +172,25 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
 
 /// `GET path` on an admin port over a plain HTTP/1.1 socket: status code and body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    http_request(addr, &request).await
+}
+
+/// `POST path` with a JSON body: status code and body.
+pub async fn http_post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    http_request(addr, &request).await
+}
+
+async fn http_request(addr: SocketAddr, request: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
         .expect("connect admin port");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.expect("write");
     let mut response = String::new();
     stream.read_to_string(&mut response).await.expect("read");
