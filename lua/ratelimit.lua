@@ -1,14 +1,20 @@
--- rlsd: decide every check of one request atomically. A Lua mirror of src/algorithm.rs: the
+-- rlsd: decide requests atomically, each all or nothing. A Lua mirror of src/algorithm.rs: the
 -- same formulas in the same order, so both stores give bit-identical answers.
 --
--- KEYS[i]   state key of check i (a key may repeat: the later check sees the earlier's hits)
+-- One call carries one or more requests (rlsd coalesces concurrent requests into one call);
+-- they are decided in order, each seeing what the earlier ones committed.
+--
 -- ARGV[1]   now in microseconds, or "" to read Redis TIME (the only clock replicas share;
 --           tests pass a fixed value)
--- ARGV[1 + 7(i-1) + 1 .. 7]  per check: algorithm (fw|swl|swc|tb|gcra), limit L, period P (µs),
---           burst B, mode (t take | p peek | r refund), hits n, shadow (1 or 0)
--- Reply: per check {allowed 0/1, remaining, reset µs}; state is written only if every
--- non-shadow check allows. When the request is denied, allowed checks report the remaining
--- they still have (nothing was taken).
+-- ARGV[2]   number of requests R
+-- then per request: its number of checks n, then 7 values per check: algorithm
+--           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, mode (t take | p peek |
+--           r refund), hits, shadow (1 or 0)
+-- KEYS      the state key of every check, request after request (a key may repeat within a
+--           request: the later check sees the earlier's hits)
+-- Reply: per check {allowed 0/1, remaining, reset µs}, request after request. A request writes
+-- state only if every non-shadow check allows; when it is denied, its allowed checks report the
+-- remaining they still have (nothing was taken).
 
 local SLACK = 1000000
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
@@ -396,46 +402,68 @@ else
   now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 end
 
-local states, checks, results = {}, {}, {}
-local allowed_all = true
-for i, key in ipairs(KEYS) do
-  local a = 1 + 7 * (i - 1)
-  local c = { alg = ARGV[a + 1], l = tonumber(ARGV[a + 2]), p = tonumber(ARGV[a + 3]),
-              b = tonumber(ARGV[a + 4]), mode = ARGV[a + 5], n = tonumber(ARGV[a + 6]),
-              shadow = ARGV[a + 7] == '1' }
-  checks[i] = c
-  local st = states[key]
-  if st == nil then
-    st = load(key, c.alg, now, c.p)
-    states[key] = st
+-- Committed state of each key read so far in this call (false: none), so a key is read once.
+-- Sliding logs are dropped after a write and read again, since their writes are deltas.
+local loaded = {}
+local reply = {}
+local next_key, next_arg = 1, 3
+for _ = 1, tonumber(ARGV[2]) do
+  local count = tonumber(ARGV[next_arg])
+  next_arg = next_arg + 1
+  local pending, checks, results, keys = {}, {}, {}, {}
+  local allowed_all = true
+  for i = 1, count do
+    local key = KEYS[next_key]
+    next_key = next_key + 1
+    local a = next_arg + 7 * (i - 1)
+    local c = { alg = ARGV[a], l = tonumber(ARGV[a + 1]), p = tonumber(ARGV[a + 2]),
+                b = tonumber(ARGV[a + 3]), mode = ARGV[a + 4], n = tonumber(ARGV[a + 5]),
+                shadow = ARGV[a + 6] == '1' }
+    checks[i], keys[i] = c, key
+    local st = pending[key]
+    if st == nil then
+      st = loaded[key]
+    end
+    if st == nil then
+      st = load(key, c.alg, now, c.p)
+      loaded[key] = st
+    end
+    local result = assess(c, st, now)
+    results[i] = result
+    if result.state then
+      pending[key] = result.state
+    end
+    if not result.allowed and not c.shadow then
+      allowed_all = false
+    end
   end
-  local result = assess(c, st, now)
-  results[i] = result
-  if result.state then
-    states[key] = result.state
-  end
-  if not result.allowed and not c.shadow then
-    allowed_all = false
-  end
-end
+  next_arg = next_arg + 7 * count
 
--- Write each key once, with its final state (a key checked twice carries both checks' hits).
-local reply, written = {}, {}
-for i = #KEYS, 1, -1 do
-  local result, key = results[i], KEYS[i]
-  if allowed_all and result.state and not written[key] then
-    written[key] = true
-    store(checks[i], key, result.state, result.ttl, now)
+  -- Write each key once, with its final state (a key checked twice carries both checks' hits).
+  if allowed_all then
+    local written = {}
+    for i = count, 1, -1 do
+      local result, key = results[i], keys[i]
+      if result.state and not written[key] then
+        written[key] = true
+        store(checks[i], key, result.state, result.ttl, now)
+        if checks[i].alg == 'swl' then
+          loaded[key] = nil
+        else
+          loaded[key] = result.state
+        end
+      end
+    end
   end
-end
-for i = 1, #KEYS do
-  local result = results[i]
-  local remaining = result.remaining
-  if not allowed_all and result.allowed then
-    remaining = result.unconsumed
+  for i = 1, count do
+    local result = results[i]
+    local remaining = result.remaining
+    if not allowed_all and result.allowed then
+      remaining = result.unconsumed
+    end
+    reply[#reply + 1] = result.allowed and 1 or 0
+    reply[#reply + 1] = remaining
+    reply[#reply + 1] = result.reset
   end
-  reply[#reply + 1] = result.allowed and 1 or 0
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = result.reset
 end
 return reply

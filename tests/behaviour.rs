@@ -444,9 +444,18 @@ async fn memory_store() -> (MemoryStore<ManualClock>, ManualClock, ()) {
 }
 
 async fn redis_store() -> (RedisStore, ManualClock, common::redis::RedisServer) {
+    redis_store_batching(rlsd::store::redis::DEFAULT_MAX_BATCH).await
+}
+
+async fn redis_store_unbatched() -> (RedisStore, ManualClock, common::redis::RedisServer) {
+    redis_store_batching(1).await
+}
+
+async fn redis_store_batching(max_batch: usize) -> (RedisStore, ManualClock, common::redis::RedisServer) {
     let server = common::redis::RedisServer::start();
     let clock = ManualClock::at(T0);
     let mut settings = RedisSettings::new(server.url());
+    settings.max_batch = max_batch;
     // Generous: debug builds on a loaded CI machine; the timeout itself is tested elsewhere.
     settings.command_timeout = std::time::Duration::from_secs(2);
     settings.fixed_clock = Some(Arc::new(clock.clone()));
@@ -456,3 +465,4 @@ async fn redis_store() -> (RedisStore, ManualClock, common::redis::RedisServer) 
 
 behaviour_suite!(memory, memory_store);
 behaviour_suite!(redis, redis_store);
+behaviour_suite!(redis_unbatched, redis_store_unbatched);

@@ -255,3 +255,50 @@ async fn a_dead_redis_gets_the_failure_mode_answer_and_service_resumes_after_res
         rlsd.stop().await;
     }
 }
+
+/// `calls` of EVALSHA Redis has served, from INFO commandstats.
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.cli(&["INFO", "commandstats"]).expect("info");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|calls| calls.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_coalesced_and_stay_exact() {
+    let redis = RedisServer::start();
+    let rlsd = Rlsd::start(EXACT, &redis.url(), FailureMode::Error, Duration::from_secs(2)).await;
+    let client = rlsd.client().await;
+    let before = evalsha_calls(&redis);
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut ok = 0;
+                for _ in 0..20 {
+                    let req = request(
+                        "exact",
+                        vec![
+                            descriptor(&[("algorithm", "sliding_window_log")]),
+                            descriptor(&[("algorithm", "token_bucket")]),
+                        ],
+                    );
+                    let response = client.should_rate_limit(req).await.expect("answer").into_inner();
+                    ok += usize::from(response.overall_code == Code::Ok as i32);
+                }
+                ok
+            })
+        })
+        .collect();
+    let mut allowed = 0;
+    for task in tasks {
+        allowed += task.await.expect("task");
+    }
+    assert_eq!(allowed, 500, "1280 two-limit requests, both limits 500");
+    let calls = evalsha_calls(&redis) - before;
+    assert!(calls < 1280, "{calls} EVALSHA calls for 1280 concurrent requests: nothing was coalesced");
+    rlsd.stop().await;
+}

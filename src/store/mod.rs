@@ -32,7 +32,7 @@ pub struct Outcome {
 }
 
 /// Why a store could not decide.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// The in-process store holds as many keys as it may; new keys cannot be tracked.
     #[error("in-process store is full ({capacity} live keys)")]

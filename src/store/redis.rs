@@ -2,11 +2,17 @@
 //!
 //! One multiplexed connection (redis-rs `ConnectionManager`) carries every request: it
 //! pipelines concurrent EVALSHAs on one socket and reconnects by itself after an outage.
+//! Requests that arrive while calls are in flight are coalesced into one EVALSHA (each request
+//! still decided atomically, all or nothing), so a busy server makes fewer, larger calls and an
+//! idle one sends a lone request at once.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::{mpsc, oneshot};
+use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 use crate::algorithm::{Hits, Verdict};
 use crate::clock::Clock;
@@ -27,6 +33,12 @@ pub struct RedisSettings {
     pub command_timeout: Duration,
     /// Tests only: a clock whose reading is passed to the script instead of Redis `TIME`.
     pub fixed_clock: Option<Arc<dyn Clock>>,
+    /// Most requests coalesced into one EVALSHA; 1 sends every request on its own.
+    pub max_batch: usize,
+    /// EVALSHA calls in flight at once when coalescing (batches pipelined on the connection).
+    pub pipelines: usize,
+    /// A PEM file of CA certificates to trust for `rediss://` instead of the built-in roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl RedisSettings {
@@ -37,12 +49,65 @@ impl RedisSettings {
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(5),
             fixed_clock: None,
+            max_batch: DEFAULT_MAX_BATCH,
+            pipelines: DEFAULT_PIPELINES,
+            ca_file: None,
         }
     }
 }
 
+/// A client for `settings.url`, trusting `settings.ca_file` when there is one.
+fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
+    let Some(path) = &settings.ca_file else {
+        return redis::Client::open(settings.url.as_str())
+            .map_err(|error| StoreError::Config(format!("invalid redis url: {error}")));
+    };
+    let root_cert = std::fs::read(path).map_err(|error| {
+        StoreError::Config(format!("cannot read redis CA {}: {error}", path.display()))
+    })?;
+    let found = CertificateDer::pem_slice_iter(&root_cert).collect::<Result<Vec<_>, _>>();
+    match found {
+        Ok(found) if !found.is_empty() => {}
+        Ok(_) => {
+            return Err(StoreError::Config(format!(
+                "redis CA {}: no PEM certificate (BEGIN CERTIFICATE) found",
+                path.display()
+            )));
+        }
+        Err(error) => {
+            return Err(StoreError::Config(format!(
+                "redis CA {}: invalid PEM certificate: {error}",
+                path.display()
+            )));
+        }
+    }
+    let certificates = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(root_cert),
+    };
+    redis::Client::build_with_tls(settings.url.as_str(), certificates).map_err(|error| {
+        StoreError::Config(format!(
+            "invalid redis url with --redis-ca (needs rediss://): {error}"
+        ))
+    })
+}
+
+/// Default bound on requests per coalesced EVALSHA.
+pub const DEFAULT_MAX_BATCH: usize = 64;
+
+/// Default number of coalesced calls in flight at once.
+pub const DEFAULT_PIPELINES: usize = 4;
+
 /// State in Redis, shared by every rlsd replica that points at it.
 pub struct RedisStore {
+    caller: Arc<RedisCaller>,
+    /// Where requests queue to be coalesced; `None` when every request is its own call.
+    queue: Option<mpsc::Sender<Job>>,
+    command_timeout: Duration,
+}
+
+/// The connection and the script: what actually talks to Redis.
+struct RedisCaller {
     connection: ConnectionManager,
     script: redis::Script,
     command_timeout: Duration,
@@ -56,8 +121,7 @@ impl RedisStore {
     /// # Errors
     /// When the URL is invalid.
     pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(settings.url.as_str())
-            .map_err(|error| StoreError::Config(format!("invalid redis url: {error}")))?;
+        let client = client(&settings)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.connect_timeout))
             .set_response_timeout(Some(settings.command_timeout))
@@ -67,11 +131,26 @@ impl RedisStore {
             .set_number_of_retries(3);
         let connection = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|error| StoreError::Config(format!("redis: {error}")))?;
-        let store = RedisStore {
+        let caller = Arc::new(RedisCaller {
             connection,
             script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
             fixed_clock: settings.fixed_clock,
+        });
+        let queue = (settings.max_batch > 1).then(|| {
+            // Bounded, so a stalled Redis cannot queue without limit: beyond it callers wait,
+            // and their own timeout answers them.
+            let (sender, receiver) = mpsc::channel(settings.max_batch * settings.pipelines.max(1) * 4);
+            let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
+            for _ in 0..settings.pipelines.max(1) {
+                tokio::spawn(run_batches(Arc::clone(&caller), Arc::clone(&receiver), settings.max_batch));
+            }
+            sender
+        });
+        let store = RedisStore {
+            caller,
+            queue,
+            command_timeout: settings.command_timeout,
         };
         match tokio::time::timeout(settings.connect_timeout, store.load_script()).await {
             Ok(Ok(sha)) => tracing::info!(%sha, "redis connected, script loaded"),
@@ -90,6 +169,44 @@ impl RedisStore {
     /// # Errors
     /// When Redis cannot be reached.
     pub async fn load_script(&self) -> Result<String, StoreError> {
+        self.caller.load_script().await
+    }
+
+    /// Whether Redis answers a PING within the command timeout.
+    pub async fn ping(&self) -> bool {
+        self.caller.ping().await
+    }
+
+    /// Decides one request: queued for coalescing, or sent on its own.
+    async fn decide_one(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+        let Some(queue) = &self.queue else {
+            let mut answers = self.caller.evaluate_batch(&[checks]).await?;
+            return answers
+                .pop()
+                .ok_or_else(|| StoreError::Protocol("no answer for the request".to_owned()));
+        };
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            checks: checks.to_vec(),
+            reply,
+        };
+        // The whole wait, queueing included, is bounded by the command timeout.
+        tokio::time::timeout(self.command_timeout, async {
+            queue
+                .send(job)
+                .await
+                .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
+            answer
+                .await
+                .map_err(|_| StoreError::Unavailable("redis batcher dropped the request".to_owned()))?
+        })
+        .await
+        .map_err(|_| StoreError::Timeout(self.command_timeout))?
+    }
+}
+
+impl RedisCaller {
+    async fn load_script(&self) -> Result<String, StoreError> {
         let mut connection = self.connection.clone();
         self.script
             .load_async(&mut connection)
@@ -97,8 +214,7 @@ impl RedisStore {
             .map_err(|error| StoreError::Unavailable(error.to_string()))
     }
 
-    /// Whether Redis answers a PING within the command timeout.
-    pub async fn ping(&self) -> bool {
+    async fn ping(&self) -> bool {
         let mut connection = self.connection.clone();
         let command = redis::cmd("PING");
         let ping = command.query_async::<String>(&mut connection);
@@ -108,28 +224,34 @@ impl RedisStore {
         )
     }
 
-    async fn evaluate(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    /// Decides several requests in one EVALSHA; each stays atomic and all-or-nothing, and later
+    /// ones see what earlier ones committed.
+    async fn evaluate_batch(&self, requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
         match &self.fixed_clock {
             Some(clock) => invocation.arg(clock.now_us()),
             None => invocation.arg(""),
         };
-        for check in checks {
-            let (mode, hits) = match check.hits {
-                Hits::Take(n) => ("t", n),
-                Hits::Peek => ("p", 1),
-                Hits::Refund(n) => ("r", n),
-            };
-            let params = &check.params;
-            invocation
-                .key(check.key.as_str())
-                .arg(params.algorithm.key_tag())
-                .arg(params.limit)
-                .arg(params.period_us)
-                .arg(params.burst)
-                .arg(mode)
-                .arg(hits)
-                .arg(u8::from(check.shadow));
+        invocation.arg(requests.len());
+        for checks in requests {
+            invocation.arg(checks.len());
+            for check in *checks {
+                let (mode, hits) = match check.hits {
+                    Hits::Take(n) => ("t", n),
+                    Hits::Peek => ("p", 1),
+                    Hits::Refund(n) => ("r", n),
+                };
+                let params = &check.params;
+                invocation
+                    .key(check.key.as_str())
+                    .arg(params.algorithm.key_tag())
+                    .arg(params.limit)
+                    .arg(params.period_us)
+                    .arg(params.burst)
+                    .arg(mode)
+                    .arg(hits)
+                    .arg(u8::from(check.shadow));
+            }
         }
         let mut connection = self.connection.clone();
         // Never retried after a timeout: the script may have run, and a retry could count twice.
@@ -140,7 +262,58 @@ impl RedisStore {
         .await
         .map_err(|_| StoreError::Timeout(self.command_timeout))?
         .map_err(|error| StoreError::Unavailable(error.to_string()))?;
-        parse_reply(&reply, checks.len())
+        let total: usize = requests.iter().map(|checks| checks.len()).sum();
+        let mut outcomes = parse_reply(&reply, total)?.into_iter();
+        Ok(requests
+            .iter()
+            .map(|checks| outcomes.by_ref().take(checks.len()).collect())
+            .collect())
+    }
+}
+
+/// One request waiting to be coalesced into a batch.
+struct Job {
+    checks: Vec<Check>,
+    reply: oneshot::Sender<Result<Vec<Outcome>, StoreError>>,
+}
+
+/// Runs batches: takes whatever requests queued while the previous call was in flight (at
+/// least one, at most `max_batch`), so a lone request goes out at once and a busy server sends
+/// fewer, larger calls.
+async fn run_batches(store: Arc<RedisCaller>, queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>, max_batch: usize) {
+    loop {
+        let mut jobs = Vec::new();
+        {
+            let mut queue = queue.lock().await;
+            let Some(first) = queue.recv().await else {
+                return;
+            };
+            jobs.push(first);
+            while jobs.len() < max_batch {
+                match queue.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
+            }
+        }
+        // A caller that gave up (its own timeout) is not decided late.
+        jobs.retain(|job| !job.reply.is_closed());
+        if jobs.is_empty() {
+            continue;
+        }
+        let requests: Vec<&[Check]> = jobs.iter().map(|job| job.checks.as_slice()).collect();
+        match store.evaluate_batch(&requests).await {
+            Ok(answers) => {
+                for (job, answer) in jobs.into_iter().zip(answers) {
+                    let _ = job.reply.send(Ok(answer));
+                }
+            }
+            Err(error) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(error.clone()));
+                }
+            }
+        }
     }
 }
 
@@ -180,6 +353,6 @@ impl Store for RedisStore {
     }
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        self.evaluate(checks).await
+        self.decide_one(checks).await
     }
 }
