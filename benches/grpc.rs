@@ -7,7 +7,8 @@
 //! the same tonic settings as `server::run` (TCP_NODELAY, 30 s HTTP/2 keepalive). All are driven
 //! by the same tonic client code. `RLSD_BENCH_EXTRA=1` adds two diagnostic servers: `canned`
 //! replays rlsd's own captured answers (same bytes on the wire, no work) and `rlsd-svc` serves
-//! rlsd's `RateLimiter` with the baseline's setup instead of `server::run`.
+//! rlsd's `RateLimiter` with the baseline's setup instead of `server::run`; `rlsd-nohdr` is that
+//! with `HeaderStyle::Off` (no `x-ratelimit-*` headers).
 //!
 //! Phases (each `RLSD_BENCH_SECONDS`, default 2, after 0.5 s of warm-up; every latency kept):
 //! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels (one HTTP/2 connection each) x
@@ -60,7 +61,7 @@ use rlsd::pb::{
     RateLimitServiceClient, RateLimitServiceServer,
 };
 use rlsd::server::{self, Listeners};
-use rlsd::service::{RateLimiter, ServiceSettings};
+use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::MemoryStore;
 use tokio::net::TcpListener;
 use tokio::runtime::{Handle, Runtime};
@@ -192,13 +193,18 @@ type Limiter = RateLimiter<MemoryStore>;
 
 /// rlsd's service on the bench config, a system-clock `MemoryStore` and default settings.
 fn limiter() -> (Limiter, Arc<ArcSwap<Config>>) {
+    limiter_with(ServiceSettings::default())
+}
+
+/// rlsd's service on the bench config and a system-clock `MemoryStore`.
+fn limiter_with(settings: ServiceSettings) -> (Limiter, Arc<ArcSwap<Config>>) {
     let domain = config::load_str("grpc-bench.yaml", CONFIG)
         .unwrap_or_else(|e| panic!("bench config: {e:?}"));
     let mut loaded = Config::default();
     loaded.domains.insert(domain.name.clone(), domain);
     let config = Arc::new(ArcSwap::from_pointee(loaded));
     let store = Arc::new(MemoryStore::new(rlsd::store::memory::DEFAULT_MAX_KEYS));
-    let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
+    let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
     (limiter, config)
 }
 
@@ -602,7 +608,7 @@ struct Row {
 
 fn print_rows(rows: &[Row], shared_runtime: bool) {
     println!(
-        "| {:<30} | {:<8} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} |",
+        "| {:<30} | {:<10} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} |",
         "phase",
         "server",
         "req/s",
@@ -619,7 +625,7 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
         "cli CPU µs/req"
     );
     println!(
-        "|{:-<32}|{:-<10}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|",
+        "|{:-<32}|{:-<12}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|",
         "", "", "", "", "", "", "", "", "", "", "", "", "", ""
     );
     for row in rows {
@@ -640,7 +646,7 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
             format!("{:.3}", Phase::percentile(&r.lag_us, 0.99))
         };
         println!(
-            "| {:<30} | {:<8} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} |",
+            "| {:<30} | {:<10} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} |",
             row.phase,
             row.server,
             r.rate(),
@@ -726,6 +732,12 @@ fn main() {
         };
         addrs.push(("canned", server_handle.block_on(start_service(canned))));
         addrs.push(("rlsd-svc", server_handle.block_on(start_rlsd_service())));
+        let no_headers = ServiceSettings {
+            headers: HeaderStyle::Off,
+            ..ServiceSettings::default()
+        };
+        let (limiter, _) = limiter_with(no_headers);
+        addrs.push(("rlsd-nohdr", server_handle.block_on(start_service(limiter))));
     }
     if let Some(only) = &opts.only {
         addrs.retain(|(name, _)| only.iter().any(|o| o == name));
@@ -757,7 +769,8 @@ fn main() {
     if opts.extra {
         println!(
             "# extra servers: canned = replays rlsd's captured response (same bytes, no work); \
-             rlsd-svc = rlsd's RateLimiter on the baseline's tonic setup instead of server::run"
+             rlsd-svc = rlsd's RateLimiter on the baseline's tonic setup instead of server::run; \
+             rlsd-nohdr = rlsd-svc without x-ratelimit headers"
         );
     }
 
@@ -883,7 +896,7 @@ fn main() {
         if let (Some((rlsd, baseline)), false) = (cpu, opts.shared) {
             println!(
                 "  server CPU per request at peak, {shape}: rlsd {rlsd:.1} µs, baseline {baseline:.1} µs \
-                 (rlsd adds {:.1} µs; CPU-normalised ratio {:.2}, robust to other load on the machine)",
+                 (rlsd adds {:.1} µs; CPU-normalised ratio {:.2}, less sensitive to other load)",
                 rlsd - baseline,
                 baseline / rlsd
             );

@@ -77,12 +77,18 @@ end
 
 -- The algorithms: each returns allowed, remaining, reset, new state (or nil), ttl ----------
 
+-- The fixed window in force at `now` and its count.
+local function fixed_window_now(c, st, now)
+  local window = idiv(now, c.p)
+  if st and st.window >= window then
+    return st.window, st.count
+  end
+  return window, 0
+end
+
 local function fixed_window(c, st, now, want, take)
   local l, p = c.l, c.p
-  local window, count = idiv(now, p), 0
-  if st and st.window >= window then
-    window, count = st.window, st.count
-  end
+  local window, count = fixed_window_now(c, st, now)
   local reset = max(0, (window + 1) * p - now)
   if count + want <= l then
     count = count + take
@@ -188,18 +194,24 @@ local function sliding_counter_wait(l, p, now, window, current, previous, want)
   return (window + 2) * p - now
 end
 
-local function sliding_counter(c, st, now, want, take)
-  local l, p = c.l, c.p
-  local window = idiv(now, p)
-  local current, previous = 0, 0
+-- The sliding counter rolled forward to `now`: the instant used, the current window, and its
+-- current and previous counts.
+local function sliding_now(c, st, now)
+  local window = idiv(now, c.p)
   if st then
     if st.window >= window then
-      now = max(now, st.window * p)
-      window, current, previous = st.window, st.current, st.previous
+      return max(now, st.window * c.p), st.window, st.current, st.previous
     elseif st.window + 1 == window then
-      previous = st.current
+      return now, window, 0, st.current
     end
   end
+  return now, window, 0, 0
+end
+
+local function sliding_counter(c, st, now, want, take)
+  local l, p = c.l, c.p
+  local window, current, previous
+  now, window, current, previous = sliding_now(c, st, now)
   local elapsed = now - window * p
   local weight = (p - elapsed) / p
   local estimate = previous * weight + current
@@ -272,7 +284,8 @@ local ALGORITHMS = { fw = fixed_window, swl = sliding_log, swc = sliding_counter
 local function refunded(c, st, now, n)
   local p = c.p
   if c.alg == 'fw' then
-    return { window = st.window, count = max(0, st.count - n) }, max(0, (st.window + 1) * p - now) + SLACK
+    local window, count = fixed_window_now(c, st, now)
+    return { window = window, count = max(0, count - n) }, max(0, (window + 1) * p - now) + SLACK
   elseif c.alg == 'swl' then
     local new = copy_log(st)
     local left = n
@@ -288,7 +301,8 @@ local function refunded(c, st, now, n)
     new.removed = min(new.stored, new.removed + left)
     return new, p + SLACK
   elseif c.alg == 'swc' then
-    return { window = st.window, current = max(0, st.current - n), previous = st.previous }, 2 * p + SLACK
+    local _, window, current, previous = sliding_now(c, st, now)
+    return { window = window, current = max(0, current - n), previous = previous }, 2 * p + SLACK
   elseif c.alg == 'tb' then
     local tokens, updated = refilled_bucket(c, st, now)
     tokens = min(tokens + n, c.b)

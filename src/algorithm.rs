@@ -213,8 +213,9 @@ fn refund(params: &Params, state: Option<&State>, now: u64, n: u64) -> Assessmen
 fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Update> {
     let p = params.period_us;
     let update = match state {
-        State::Window { window, count } => {
-            let window = *window;
+        State::Window { .. } => {
+            // Hits come back to the window in force now, as the next check will see it.
+            let (window, count) = fixed_window_now(params, Some(state), now);
             let end = (window + 1) * p;
             Update {
                 state: State::Window {
@@ -244,18 +245,18 @@ fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Up
                 ttl_us: p + EXPIRY_SLACK_US,
             }
         }
-        State::Sliding {
-            window,
-            current,
-            previous,
-        } => Update {
-            state: State::Sliding {
-                window: *window,
-                current: current.saturating_sub(n),
-                previous: *previous,
-            },
-            ttl_us: 2 * p + EXPIRY_SLACK_US,
-        },
+        State::Sliding { .. } => {
+            // Hits come back to the current window, after rolling the state forward to now.
+            let (_, window, current, previous) = sliding_now(params, Some(state), now);
+            Update {
+                state: State::Sliding {
+                    window,
+                    current: current.saturating_sub(n),
+                    previous,
+                },
+                ttl_us: 2 * p + EXPIRY_SLACK_US,
+            }
+        }
         State::Bucket { .. } => {
             let (tokens, updated) = refilled_bucket(params, Some(state), now);
             let burst = params.burst as f64;
@@ -283,21 +284,22 @@ struct Raw {
     update: Option<Update>,
 }
 
+/// The fixed window in force at `now` and its count.
+fn fixed_window_now(params: &Params, state: Option<&State>, now: u64) -> (u64, u64) {
+    let window = now / params.period_us;
+    match state {
+        // A clock that stepped back keeps using the newer window it already counted in.
+        Some(State::Window {
+            window: stored,
+            count,
+        }) if *stored >= window => (*stored, *count),
+        _ => (window, 0),
+    }
+}
+
 fn fixed_window(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
     let (l, p) = (params.limit, params.period_us);
-    let mut window = now / p;
-    let mut count = 0;
-    if let Some(State::Window {
-        window: stored,
-        count: stored_count,
-    }) = state
-    {
-        // A clock that stepped back keeps using the newer window it already counted in.
-        if *stored >= window {
-            window = *stored;
-            count = *stored_count;
-        }
-    }
+    let (window, count) = fixed_window_now(params, state, now);
     let reset = ((window + 1) * p).saturating_sub(now);
     if count + want <= l {
         let count = count + take;
@@ -386,27 +388,32 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
     }
 }
 
+/// The sliding counter rolled forward to `now`: the instant used (never before the stored
+/// window), the current window, and its current and previous counts.
+fn sliding_now(params: &Params, state: Option<&State>, now: u64) -> (u64, u64, u64, u64) {
+    let p = params.period_us;
+    let window = now / p;
+    match state {
+        Some(State::Sliding {
+            window: stored,
+            current,
+            previous,
+        }) if *stored >= window => {
+            // Clock stepped back: stay at the start of the newer window (full previous weight).
+            (now.max(stored * p), *stored, *current, *previous)
+        }
+        Some(State::Sliding {
+            window: stored,
+            current,
+            ..
+        }) if *stored + 1 == window => (now, window, 0, *current),
+        _ => (now, window, 0, 0),
+    }
+}
+
 fn sliding_counter(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
     let (l, p) = (params.limit, params.period_us);
-    let mut now = now;
-    let mut window = now / p;
-    let (mut current, mut previous) = (0, 0);
-    if let Some(State::Sliding {
-        window: stored,
-        current: stored_current,
-        previous: stored_previous,
-    }) = state
-    {
-        if *stored >= window {
-            // Clock stepped back: stay at the start of the newer window (full previous weight).
-            now = now.max(stored * p);
-            window = *stored;
-            current = *stored_current;
-            previous = *stored_previous;
-        } else if *stored + 1 == window {
-            previous = *stored_current;
-        }
-    }
+    let (now, window, current, previous) = sliding_now(params, state, now);
     let elapsed = now - window * p;
     let (lf, pf) = (l as f64, p as f64);
     let weight = (pf - elapsed as f64) / pf;

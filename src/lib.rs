@@ -10,6 +10,7 @@
 //! - [`service`]: the tonic service; wire types in, wire types out.
 //! - [`server`]: listeners, signals and shutdown.
 //! - [`simulate`]: `rlsd simulate`, replaying traffic through the engine under each algorithm.
+//! - [`tls`]: TLS and mutual TLS on the gRPC port, with certificates reloaded from their files.
 
 pub mod algorithm;
 pub mod clock;
@@ -25,3 +26,4 @@ pub mod server;
 pub mod service;
 pub mod simulate;
 pub mod store;
+pub mod tls;

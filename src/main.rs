@@ -17,6 +17,7 @@ use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd::tls::{TlsFiles, TlsSettings};
 
 /// A rate limit service for Envoy.
 #[derive(Parser)]
@@ -79,12 +80,21 @@ struct ServeArgs {
     /// of in process, so replicas share it.
     #[arg(long, env = "RLSD_REDIS_URL")]
     redis_url: Option<String>,
+    /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots).
+    #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
+    redis_ca: Option<PathBuf>,
     /// Longest wait for a Redis connection, in milliseconds.
     #[arg(long, env = "RLSD_REDIS_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
     redis_connect_timeout_ms: u64,
     /// Longest wait for one Redis call, in milliseconds (Envoy waits 20 ms for the whole call).
     #[arg(long, env = "RLSD_REDIS_COMMAND_TIMEOUT_MS", default_value_t = 5)]
     redis_command_timeout_ms: u64,
+    /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
+    #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = rlsd::store::redis::DEFAULT_MAX_BATCH)]
+    redis_max_batch: usize,
+    /// Coalesced Redis calls in flight at once.
+    #[arg(long, env = "RLSD_REDIS_PIPELINES", default_value_t = rlsd::store::redis::DEFAULT_PIPELINES)]
+    redis_pipelines: usize,
     /// The answer when the store fails: `error` (gRPC UNAVAILABLE; Envoy's
     /// `failure_mode_deny` decides), `allow` or `deny`.
     #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
@@ -101,6 +111,23 @@ struct ServeArgs {
     /// Usage ratio above which allowed hits also count in `near_limit`.
     #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO)]
     near_limit_ratio: f64,
+    /// Serve gRPC over TLS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, env = "RLSD_TLS_CERT", value_name = "PATH", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = "RLSD_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: require client certificates signed by a CA in this PEM file.
+    #[arg(
+        long,
+        env = "RLSD_TLS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    tls_client_ca: Option<PathBuf>,
+    /// How often to look for changed TLS files, in milliseconds (0: never).
+    #[arg(long, env = "RLSD_TLS_RELOAD_INTERVAL_MS", default_value_t = 5000)]
+    tls_reload_interval_ms: u64,
 }
 
 fn main() -> ExitCode {
@@ -153,6 +180,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let loaded = config::load_path(&args.config)
         .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
     tracing::info!(path = %args.config.display(), domains = loaded.domains.len(), "config loaded");
+    let tls = tls_settings(&args)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let listeners = Listeners::bind(args.grpc_addr, args.http_addr)
@@ -172,13 +200,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let mut redis = RedisSettings::new(url.clone());
                 redis.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
                 redis.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
+                redis.max_batch = args.redis_max_batch.max(1);
+                redis.pipelines = args.redis_pipelines.max(1);
+                redis.ca_file.clone_from(&args.redis_ca);
                 let store = Arc::new(RedisStore::connect(redis).await?);
-                serve_with(store, "redis", config, settings, listeners, &args).await
+                serve_with(store, "redis", config, settings, listeners, tls, &args).await
             }
             None => {
                 let store = Arc::new(MemoryStore::new(args.max_keys));
                 spawn_reclaimer(Arc::clone(&store));
-                serve_with(store, "memory", config, settings, listeners, &args).await
+                serve_with(store, "memory", config, settings, listeners, tls, &args).await
             }
         }
     })
@@ -190,6 +221,7 @@ async fn serve_with<S: Store>(
     config: Arc<ArcSwap<config::Config>>,
     settings: ServiceSettings,
     listeners: Listeners,
+    tls: Option<Arc<TlsSettings>>,
     args: &ServeArgs,
 ) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
@@ -204,8 +236,14 @@ async fn serve_with<S: Store>(
     let options = ServeOptions {
         drain: Duration::try_from_secs_f64(args.drain_seconds)
             .context("--drain-seconds must be a non-negative number")?,
+        tls: tls.clone(),
     };
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = store_name, "serving");
+    let grpc_tls = match &tls {
+        None => "off",
+        Some(tls) if tls.mutual() => "mutual",
+        Some(_) => "on",
+    };
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = store_name, tls = grpc_tls, "serving");
     server::run_with(
         limiter,
         config,
@@ -216,6 +254,22 @@ async fn serve_with<S: Store>(
     .await?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The gRPC port's TLS from `--tls-*`, loaded and validated; `None` without `--tls-cert`.
+fn tls_settings(args: &ServeArgs) -> anyhow::Result<Option<Arc<TlsSettings>>> {
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+        return Ok(None);
+    };
+    let files = TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+    };
+    let tls = TlsSettings::load(files)
+        .context("invalid TLS files, not starting")?
+        .with_reload_interval(Duration::from_millis(args.tls_reload_interval_ms));
+    Ok(Some(Arc::new(tls)))
 }
 
 /// Reclaims expired keys every second, off the async workers.

@@ -16,6 +16,7 @@ use crate::http::{self, AdminState};
 use crate::pb::RateLimitServiceServer;
 use crate::service::RateLimiter;
 use crate::store::Store;
+use crate::tls::TlsSettings;
 
 /// The gRPC health service names rlsd answers for, besides "" (the whole server).
 const HEALTH_SERVICES: [&str; 2] = ["ratelimit", "envoy.service.ratelimit.v3.RateLimitService"];
@@ -92,11 +93,13 @@ impl Health {
 }
 
 /// Server behaviour beyond the sockets.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ServeOptions {
     /// After the shutdown signal: how long to keep answering, with health NOT_SERVING, so
     /// load balancers and Envoy stop sending before the listeners close.
     pub drain: Duration,
+    /// TLS (and mutual TLS) on the gRPC port, reloaded from its files; `None`: plain TCP.
+    pub tls: Option<Arc<TlsSettings>>,
 }
 
 /// Serves `limiter` until `shutdown` completes, with no drain period.
@@ -181,13 +184,21 @@ pub async fn run_with<S: Store>(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|error| ServerError::Reflection(error.to_string()))?;
-    let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
-    let grpc = tonic::transport::Server::builder()
+    let tls_watcher = options
+        .tls
+        .as_ref()
+        .map(|tls| tokio::spawn(Arc::clone(tls).watch()));
+    let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(RateLimitServiceServer::from_arc(Arc::clone(&limiter)))
-        .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
+        .add_service(RateLimitServiceServer::from_arc(Arc::clone(&limiter)));
+    let grpc = serve_grpc(
+        router,
+        listeners.grpc,
+        options.tls.clone(),
+        stopped(stop_rx.clone()),
+    );
     let admin_state = AdminState {
         config,
         metrics,
@@ -198,9 +209,31 @@ pub async fn run_with<S: Store>(
         .with_graceful_shutdown(stopped(stop_rx));
     let (grpc, admin) = tokio::join!(grpc, admin);
     prober.abort();
+    if let Some(watcher) = tls_watcher {
+        watcher.abort();
+    }
     grpc?;
     admin.map_err(ServerError::Http)?;
     Ok(())
+}
+
+/// Serves `router` on `listener`: plain TCP, or TLS handshakes done off the accept loop.
+async fn serve_grpc(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    tls: Option<Arc<TlsSettings>>,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    match tls {
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            router.serve_with_incoming_shutdown(incoming, signal).await
+        }
+        Some(tls) => {
+            let incoming = crate::tls::incoming(listener, tls);
+            router.serve_with_incoming_shutdown(incoming, signal).await
+        }
+    }
 }
 
 async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {

@@ -404,6 +404,9 @@ async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
             .collect();
         let got = decide(store, &checks).await;
         let want = decide(&reference, &checks).await;
+        if std::env::var_os("RLSD_TRACE").is_some() {
+            eprintln!("{step} {now} {checks:?}\n  -> {want:?}");
+        }
         assert_eq!(got, want, "seed {seed} step {step} at {now}: {checks:?}");
     }
 }
@@ -466,3 +469,25 @@ async fn redis_store_batching(max_batch: usize) -> (RedisStore, ManualClock, com
 behaviour_suite!(memory, memory_store);
 behaviour_suite!(redis, redis_store);
 behaviour_suite!(redis_unbatched, redis_store_unbatched);
+
+/// The whole suite against one real Redis Cluster (started once: it takes seconds), each
+/// scenario on keys of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_passes_the_whole_suite() {
+    let cluster = common::cluster::RedisCluster::start();
+    let clock = ManualClock::at(T0);
+    let mut settings = rlsd::store::ClusterSettings::new(cluster.urls());
+    settings.command_timeout = std::time::Duration::from_secs(2);
+    settings.fixed_clock = Some(Arc::new(clock.clone()));
+    let store = rlsd::store::ClusterStore::connect(settings).await.expect("connect");
+    gcra_worked_example(&store, &clock).await;
+    fixed_window_edge_burst(&store, &clock).await;
+    sliding_log_exactness(&store, &clock).await;
+    sliding_counter_weights(&store, &clock).await;
+    token_bucket_refill(&store, &clock).await;
+    hits_peek_refund_and_capacity(&store, &clock).await;
+    denied_requests_consume_nothing(&store, &clock).await;
+    a_key_twice_in_one_request(&store, &clock).await;
+    a_clock_stepping_back_grants_nothing(&store, &clock).await;
+    random_sequences_match_the_reference(&store, &clock).await;
+}

@@ -189,6 +189,7 @@ async fn health_follows_redis_and_the_drain() {
     let store = Arc::new(RedisStore::connect(redis_settings).await.expect("url"));
     let options = ServeOptions {
         drain: Duration::from_millis(800),
+        ..ServeOptions::default()
     };
     let (grpc, http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
     assert_eq!(http_get(http, "/healthcheck").await, (200, "OK".to_owned()));

@@ -227,32 +227,7 @@ impl RedisCaller {
     /// Decides several requests in one EVALSHA; each stays atomic and all-or-nothing, and later
     /// ones see what earlier ones committed.
     async fn evaluate_batch(&self, requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
-        let mut invocation = self.script.prepare_invoke();
-        match &self.fixed_clock {
-            Some(clock) => invocation.arg(clock.now_us()),
-            None => invocation.arg(""),
-        };
-        invocation.arg(requests.len());
-        for checks in requests {
-            invocation.arg(checks.len());
-            for check in *checks {
-                let (mode, hits) = match check.hits {
-                    Hits::Take(n) => ("t", n),
-                    Hits::Peek => ("p", 1),
-                    Hits::Refund(n) => ("r", n),
-                };
-                let params = &check.params;
-                invocation
-                    .key(check.key.as_str())
-                    .arg(params.algorithm.key_tag())
-                    .arg(params.limit)
-                    .arg(params.period_us)
-                    .arg(params.burst)
-                    .arg(mode)
-                    .arg(hits)
-                    .arg(u8::from(check.shadow));
-            }
-        }
+        let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), requests);
         let mut connection = self.connection.clone();
         // Never retried after a timeout: the script may have run, and a retry could count twice.
         let reply: Vec<i64> = tokio::time::timeout(
@@ -262,13 +237,53 @@ impl RedisCaller {
         .await
         .map_err(|_| StoreError::Timeout(self.command_timeout))?
         .map_err(|error| StoreError::Unavailable(error.to_string()))?;
-        let total: usize = requests.iter().map(|checks| checks.len()).sum();
-        let mut outcomes = parse_reply(&reply, total)?.into_iter();
-        Ok(requests
-            .iter()
-            .map(|checks| outcomes.by_ref().take(checks.len()).collect())
-            .collect())
+        split_reply(&reply, requests)
     }
+}
+
+/// The EVALSHA of `requests` (see `lua/ratelimit.lua` for the layout).
+pub(super) fn build_invocation<'s>(
+    script: &'s redis::Script,
+    fixed_clock: Option<&dyn Clock>,
+    requests: &[&[Check]],
+) -> redis::ScriptInvocation<'s> {
+    let mut invocation = script.prepare_invoke();
+    match fixed_clock {
+        Some(clock) => invocation.arg(clock.now_us()),
+        None => invocation.arg(""),
+    };
+    invocation.arg(requests.len());
+    for checks in requests {
+        invocation.arg(checks.len());
+        for check in *checks {
+            let (mode, hits) = match check.hits {
+                Hits::Take(n) => ("t", n),
+                Hits::Peek => ("p", 1),
+                Hits::Refund(n) => ("r", n),
+            };
+            let params = &check.params;
+            invocation
+                .key(check.key.as_str())
+                .arg(params.algorithm.key_tag())
+                .arg(params.limit)
+                .arg(params.period_us)
+                .arg(params.burst)
+                .arg(mode)
+                .arg(hits)
+                .arg(u8::from(check.shadow));
+        }
+    }
+    invocation
+}
+
+/// The script's flat reply, split back into one answer per request.
+pub(super) fn split_reply(reply: &[i64], requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
+    let total: usize = requests.iter().map(|checks| checks.len()).sum();
+    let mut outcomes = parse_reply(reply, total)?.into_iter();
+    Ok(requests
+        .iter()
+        .map(|checks| outcomes.by_ref().take(checks.len()).collect())
+        .collect())
 }
 
 /// One request waiting to be coalesced into a batch.

@@ -1,6 +1,7 @@
 //! Starts a real rlsd server (and, for Redis tests, a real redis-server) on loopback ports.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod redis;
 
 use std::net::SocketAddr;

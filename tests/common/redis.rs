@@ -1,13 +1,33 @@
 //! A private redis-server on a free loopback port, started and stopped by the test itself.
+// Some test crates include this file on its own (`#[path]`) and use only part of it.
+#![allow(dead_code)]
 
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A redis-server child process; killed when dropped.
 pub struct RedisServer {
     pub port: u16,
+    /// TLS-only, with an ACL user, when started by [`RedisServer::start_tls`].
+    tls: Option<RedisTls>,
     child: Option<Child>,
+}
+
+/// What a TLS redis-server serves with: PEM files, and the one ACL user it lets in.
+#[derive(Clone, Debug)]
+pub struct RedisTls {
+    /// The server certificate (for 127.0.0.1).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The CA that signed it; redis-cli trusts it, and so must rlsd (`--redis-ca`).
+    pub ca: PathBuf,
+    /// An ACL user with every permission; the `default` user is disabled.
+    pub user: String,
+    /// That user's password.
+    pub password: String,
 }
 
 fn free_port() -> u16 {
@@ -22,15 +42,36 @@ impl RedisServer {
     pub fn start() -> RedisServer {
         let mut server = RedisServer {
             port: free_port(),
+            tls: None,
             child: None,
         };
         server.restart();
         server
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// Starts redis-server speaking only TLS (`--tls-port`, no plain port; clients need no
+    /// certificate) with one ACL user, and waits until it answers.
+    pub fn start_tls(tls: RedisTls) -> RedisServer {
+        let mut server = RedisServer {
+            port: free_port(),
+            tls: Some(tls),
+            child: None,
+        };
+        server.restart();
+        server
+    }
+
+    /// `redis://127.0.0.1:<port>`, or `rediss://<user>:<password>@127.0.0.1:<port>` over TLS.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.tls {
+            None => format!("redis://127.0.0.1:{}", self.port),
+            Some(tls) => self.tls_url(&tls.user, &tls.password),
+        }
+    }
+
+    /// `rediss://<user>:<password>@127.0.0.1:<port>`, with any credentials.
+    pub fn tls_url(&self, user: &str, password: &str) -> String {
+        format!("rediss://{user}:{password}@127.0.0.1:{}", self.port)
     }
 
     /// Kills the server (as a crash would: no shutdown, no save).
@@ -44,17 +85,24 @@ impl RedisServer {
     /// Starts the server again on the same port (empty: nothing is persisted).
     pub fn restart(&mut self) {
         self.kill();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let mut command = Command::new("redis-server");
+        match &self.tls {
+            None => command.args(["--port", &self.port.to_string()]),
+            Some(tls) => command
+                .args(["--port", "0", "--tls-port", &self.port.to_string()])
+                .arg("--tls-cert-file")
+                .arg(&tls.cert)
+                .arg("--tls-key-file")
+                .arg(&tls.key)
+                .arg("--tls-ca-cert-file")
+                .arg(&tls.ca)
+                .args(["--tls-auth-clients", "no"])
+                .args(["--user", "default", "off"])
+                .args(["--user", &tls.user, "on", &format!(">{}", tls.password)])
+                .args(["~*", "&*", "+@all"]),
+        };
+        let child = command
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -73,11 +121,17 @@ impl RedisServer {
 
     /// Runs redis-cli against this server; its trimmed stdout, if it ran.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
-        let output = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .ok()?;
+        let mut command = Command::new("redis-cli");
+        command.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(&tls.ca)
+                .args(["--user", &tls.user, "--pass", &tls.password])
+                .arg("--no-auth-warning");
+        }
+        let output = command.args(args).output().ok()?;
         output
             .status
             .success()

@@ -1,0 +1,269 @@
+//! The Redis Cluster store: the keys of a request are grouped by hash slot, and each group is
+//! one EVALSHA of `lua/ratelimit.lua`; the groups are sent concurrently.
+//!
+//! # Guarantee
+//! Each slot group is decided atomically, all or nothing, exactly like the single-Redis store.
+//! Across slots a request is all or nothing **eventually**: every group commits only if its own
+//! limits pass, and if any group denies, the groups that committed are refunded before the
+//! answer goes out. Between a group's commit and its refund (one round trip) that quota is
+//! held: another request on the same key may be denied in that window (under-admission), and
+//! never admitted beyond its limit (no over-admission). If a refund itself fails (a node dies
+//! mid-request), those hits stay counted until the window passes: counted, never lost, and
+//! never more than the hits of that one request. Refunds that fail are logged.
+//!
+//! # Keys
+//! Keys carry no hash tag (request values are escaped, so none can plant one): each limit's
+//! key lands where its hash sends it, which spreads load over the masters. A request's keys
+//! usually span several slots, hence the grouping.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
+
+use crate::algorithm::{Hits, Params};
+use crate::limit::Algorithm;
+use crate::clock::Clock;
+
+use super::redis::{SCRIPT, build_invocation, split_reply};
+use super::{Check, Outcome, Store, StoreError, request_allowed};
+
+/// How to reach a Redis Cluster.
+#[derive(Clone)]
+pub struct ClusterSettings {
+    /// Seed nodes (`redis://host:port`); the rest of the topology is discovered.
+    pub nodes: Vec<String>,
+    /// Longest wait for a connection.
+    pub connect_timeout: Duration,
+    /// Longest wait for one slot group's EVALSHA.
+    pub command_timeout: Duration,
+    /// Tests only: a clock whose reading is passed to the script instead of Redis `TIME`.
+    pub fixed_clock: Option<Arc<dyn Clock>>,
+}
+
+impl ClusterSettings {
+    /// Settings for `nodes` with the default timeouts (connect 1 s, command 5 ms).
+    pub fn new(nodes: Vec<String>) -> ClusterSettings {
+        ClusterSettings {
+            nodes,
+            connect_timeout: Duration::from_secs(1),
+            command_timeout: Duration::from_millis(5),
+            fixed_clock: None,
+        }
+    }
+}
+
+/// State in a Redis Cluster.
+pub struct ClusterStore {
+    connection: ClusterConnection,
+    script: redis::Script,
+    command_timeout: Duration,
+    fixed_clock: Option<Arc<dyn Clock>>,
+}
+
+impl ClusterStore {
+    /// Connects to the cluster through its seed nodes.
+    ///
+    /// # Errors
+    /// When the node list is invalid or no seed node answers.
+    pub async fn connect(settings: ClusterSettings) -> Result<ClusterStore, StoreError> {
+        let client = ClusterClient::builder(settings.nodes.clone())
+            .connection_timeout(settings.connect_timeout)
+            .response_timeout(settings.command_timeout)
+            .retries(2)
+            .build()
+            .map_err(|error| StoreError::Config(format!("invalid redis cluster nodes: {error}")))?;
+        let connection = tokio::time::timeout(settings.connect_timeout * 5, client.get_async_connection())
+            .await
+            .map_err(|_| StoreError::Unavailable("redis cluster: no seed node answered in time".to_owned()))?
+            .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
+        tracing::info!(nodes = settings.nodes.len(), "redis cluster connected");
+        Ok(ClusterStore {
+            connection,
+            script: redis::Script::new(SCRIPT),
+            command_timeout: settings.command_timeout,
+            fixed_clock: settings.fixed_clock,
+        })
+    }
+
+    /// One slot group as one request of the script.
+    async fn call(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+        let requests = [checks];
+        let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), &requests);
+        let mut connection = self.connection.clone();
+        // Never retried after a timeout: the script may have run, and a retry could count twice.
+        let reply: Vec<i64> = tokio::time::timeout(self.command_timeout, invocation.invoke_async(&mut connection))
+            .await
+            .map_err(|_| StoreError::Timeout(self.command_timeout))?
+            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        split_reply(&reply, &requests)?
+            .pop()
+            .ok_or_else(|| StoreError::Protocol("no answer for the slot group".to_owned()))
+    }
+}
+
+/// The checks of a request by hash slot, in first-seen order; each with its index in the request.
+fn group_by_slot(checks: &[Check]) -> Vec<Vec<(usize, Check)>> {
+    let mut groups: Vec<Vec<(usize, Check)>> = Vec::new();
+    let mut slot_group: HashMap<Slot, usize> = HashMap::new();
+    for (index, check) in checks.iter().enumerate() {
+        let slot = Slot::for_key(check.key.as_bytes());
+        let group = *slot_group.entry(slot).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[group].push((index, check.clone()));
+    }
+    groups
+}
+
+/// The checks that give back what a committed group took: its allowed takes (a shadow check
+/// that said no took nothing).
+fn refunds(group: &[Check], outcomes: &[Outcome]) -> Vec<Check> {
+    group
+        .iter()
+        .zip(outcomes)
+        .filter_map(|(check, outcome)| match check.hits {
+            Hits::Take(n) if outcome.verdict.allowed => Some(Check {
+                hits: Hits::Refund(n),
+                ..check.clone()
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A check that always denies and touches nothing (L = 0), on a key the group already read:
+/// appended to a group, it makes the script evaluate the group without committing it.
+fn dry_run_guard(group: &[Check]) -> Option<Check> {
+    group.first().map(|first| Check {
+        key: first.key.clone(),
+        params: Params {
+            algorithm: Algorithm::FixedWindow,
+            limit: 0,
+            period_us: 1,
+            burst: 0,
+        },
+        hits: Hits::Take(1),
+        shadow: false,
+    })
+}
+
+impl ClusterStore {
+    /// Evaluates every group without committing anything: exact answers for a request that
+    /// turns out denied.
+    async fn dry_run(&self, groups: &[Vec<Check>]) -> Vec<Result<Vec<Outcome>, StoreError>> {
+        let guarded: Vec<Vec<Check>> = groups
+            .iter()
+            .map(|group| group.iter().cloned().chain(dry_run_guard(group)).collect())
+            .collect();
+        join_all(guarded.iter().map(|group| async move {
+            let mut outcomes = self.call(group).await?;
+            outcomes.pop();
+            Ok(outcomes)
+        }))
+        .await
+    }
+}
+
+impl Store for ClusterStore {
+    fn name(&self) -> &'static str {
+        "redis-cluster"
+    }
+
+    async fn healthy(&self) -> bool {
+        let mut connection = self.connection.clone();
+        let command = redis::cmd("PING");
+        let ping = command.query_async::<String>(&mut connection);
+        matches!(tokio::time::timeout(self.command_timeout, ping).await, Ok(Ok(_)))
+    }
+
+    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+        let groups = group_by_slot(checks);
+        let group_checks: Vec<Vec<Check>> = groups
+            .iter()
+            .map(|group| group.iter().map(|(_, check)| check.clone()).collect())
+            .collect();
+        // Refunds cannot be taken back exactly, so a request that gives hits back across slots
+        // is first evaluated without committing; only if it passes is it sent for real.
+        let refunds_across_slots =
+            group_checks.len() > 1 && checks.iter().any(|check| matches!(check.hits, Hits::Refund(_)));
+        if refunds_across_slots {
+            let dry = self.dry_run(&group_checks).await;
+            let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
+            for (members, answer) in groups.iter().zip(dry) {
+                for ((index, _), outcome) in members.iter().zip(answer?) {
+                    outcomes[*index] = Some(outcome);
+                }
+            }
+            let outcomes: Vec<Outcome> = outcomes
+                .into_iter()
+                .collect::<Option<_>>()
+                .ok_or_else(|| StoreError::Protocol("a slot group had no answer".to_owned()))?;
+            if !request_allowed(checks, &outcomes) {
+                return Ok(outcomes);
+            }
+        }
+        let answers = join_all(group_checks.iter().map(|group| self.call(group))).await;
+
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
+        let mut failure = None;
+        let mut committed = Vec::new();
+        for (group_index, ((group, members), answer)) in group_checks.iter().zip(&groups).zip(answers).enumerate() {
+            match answer {
+                Ok(answer) => {
+                    if request_allowed(group, &answer) {
+                        committed.push(group_index);
+                    }
+                    for ((index, _), outcome) in members.iter().zip(answer) {
+                        outcomes[*index] = Some(outcome);
+                    }
+                }
+                Err(error) => failure = Some(error),
+            }
+        }
+        let outcomes: Option<Vec<Outcome>> = outcomes.into_iter().collect();
+        let denied = match &outcomes {
+            Some(outcomes) => !request_allowed(checks, outcomes),
+            None => true,
+        };
+        if denied {
+            // All or nothing across slots: give back what the passing groups took.
+            let refunds: Vec<Vec<Check>> = committed
+                .iter()
+                .filter_map(|&group| {
+                    let answers: Option<Vec<Outcome>> =
+                        groups[group].iter().map(|(index, _)| outcomes.as_ref().map(|o| o[*index])).collect();
+                    Some(refunds(&group_checks[group], &answers?))
+                })
+                .collect();
+            let results = join_all(refunds.iter().filter(|r| !r.is_empty()).map(|r| self.call(r))).await;
+            for result in results {
+                if let Err(error) = result {
+                    tracing::warn!(%error, "redis cluster: refund of a denied request failed; its hits stay counted");
+                }
+            }
+        }
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        let mut outcomes = outcomes.ok_or_else(|| StoreError::Protocol("a slot group had no answer".to_owned()))?;
+        if denied {
+            // The refunded groups took nothing in the end: report what they still have (groups
+            // that denied already report it).
+            for &group in &committed {
+                for (index, check) in &groups[group] {
+                    let outcome = &mut outcomes[*index];
+                    if let (true, Hits::Take(n)) = (outcome.verdict.allowed, check.hits) {
+                        outcome.verdict.remaining += n;
+                    }
+                }
+            }
+        }
+        Ok(outcomes)
+    }
+}

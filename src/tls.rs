@@ -1,0 +1,454 @@
+//! TLS and mutual TLS on the gRPC port, with certificates reloaded when their files change.
+//!
+//! The accept loop never waits on a handshake: each accepted socket is handed to its own task,
+//! which runs the handshake under a timeout with an acceptor made from the current
+//! [`ServerConfig`], and forwards the connection to tonic only if the handshake succeeded. A
+//! failed handshake is logged at debug and the socket dropped.
+//!
+//! Reloads work like [`crate::reload`]: the contents of the certificate, key and client CA files
+//! are hashed every interval; when they change and still make a valid config, new connections
+//! get it, while connections already open keep theirs. Invalid files leave the previous config
+//! in place, with a warning.
+
+use std::collections::hash_map::DefaultHasher;
+use std::convert::Infallible;
+use std::hash::{Hash, Hasher};
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
+
+/// How often the TLS files are checked for changes unless told otherwise.
+pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Longest a client may take to finish its TLS handshake unless told otherwise.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The only application protocol the gRPC port speaks.
+const ALPN_H2: &[u8] = b"h2";
+
+/// Connections that finished their handshake and wait for tonic to take them.
+const ACCEPTED_BACKLOG: usize = 128;
+
+/// Where the gRPC port's TLS material is read from (PEM files).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The server certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// The server certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// For mutual TLS: the CA certificates client certificates must chain to.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Why TLS files cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What reading it said.
+        #[source]
+        source: io::Error,
+    },
+    /// A file does not hold what it should.
+    #[error("{}: {reason}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The certificate and key cannot serve together (a mismatch, or a key rustls rejects).
+    #[error("certificate {} with key {}: {source}", cert.display(), key.display())]
+    Pair {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What rustls said.
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+/// What [`TlsSettings::reload_if_changed`] did.
+#[derive(Debug)]
+pub enum TlsReload {
+    /// New connections get the new certificates.
+    Swapped,
+    /// The files did not change since the last attempt.
+    Unchanged,
+    /// The new files are invalid; the previous certificates stay.
+    Rejected(TlsError),
+}
+
+/// The gRPC port's live TLS config, kept in step with its files.
+pub struct TlsSettings {
+    files: TlsFiles,
+    config: ArcSwap<ServerConfig>,
+    /// Fingerprint of the files last loaded (or last rejected), so one change is tried once.
+    seen: Mutex<u64>,
+    reload_interval: Duration,
+    handshake_timeout: Duration,
+}
+
+impl std::fmt::Debug for TlsSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsSettings")
+            .field("files", &self.files)
+            .field("reload_interval", &self.reload_interval)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsSettings {
+    /// Loads and validates `files`, with the default reload interval and handshake timeout.
+    ///
+    /// # Errors
+    /// When a file cannot be read or is not valid, naming the file.
+    pub fn load(files: TlsFiles) -> Result<TlsSettings, TlsError> {
+        let contents = Contents::read(&files)?;
+        let config = build_config(&files, &contents)?;
+        Ok(TlsSettings {
+            seen: Mutex::new(contents.fingerprint()),
+            files,
+            config: ArcSwap::from_pointee(config),
+            reload_interval: DEFAULT_RELOAD_INTERVAL,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        })
+    }
+
+    /// How often [`TlsSettings::watch`] checks the files (never, if zero).
+    #[must_use]
+    pub fn with_reload_interval(mut self, interval: Duration) -> TlsSettings {
+        self.reload_interval = interval;
+        self
+    }
+
+    /// Longest a client may take to finish its handshake before its socket is dropped.
+    #[must_use]
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> TlsSettings {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// The files this config is read from.
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+
+    /// Whether clients must present a certificate (mutual TLS).
+    pub fn mutual(&self) -> bool {
+        self.files.client_ca.is_some()
+    }
+
+    /// The config new connections get now.
+    pub fn config(&self) -> Arc<ServerConfig> {
+        self.config.load_full()
+    }
+
+    /// An acceptor for one new connection, from the current config.
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.config())
+    }
+
+    /// Re-reads the files; swaps a new config in if they changed and are valid.
+    pub fn reload_if_changed(&self) -> TlsReload {
+        let read = Contents::read(&self.files);
+        let now = match &read {
+            Ok(contents) => contents.fingerprint(),
+            Err(error) => fingerprint_of(&error.to_string()),
+        };
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if *seen == now {
+                return TlsReload::Unchanged;
+            }
+            *seen = now;
+        }
+        match read.and_then(|contents| build_config(&self.files, &contents)) {
+            Ok(config) => {
+                self.config.store(Arc::new(config));
+                tracing::info!(cert = %self.files.cert.display(), "tls certificates reloaded");
+                TlsReload::Swapped
+            }
+            Err(error) => {
+                tracing::warn!(%error, "tls reload rejected, keeping the previous certificates");
+                TlsReload::Rejected(error)
+            }
+        }
+    }
+
+    /// Checks the files for changes every reload interval, forever (never, if it is zero).
+    pub async fn watch(self: Arc<Self>) {
+        if self.reload_interval.is_zero() {
+            return;
+        }
+        let mut tick = tokio::time::interval(self.reload_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let this = Arc::clone(&self);
+            if let Err(error) = tokio::task::spawn_blocking(move || this.reload_if_changed()).await
+            {
+                tracing::error!(%error, "tls reload task failed");
+            }
+        }
+    }
+}
+
+/// The bytes of the TLS files, read once so the hash and the config come from the same bytes.
+#[derive(Hash)]
+struct Contents {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    client_ca: Option<Vec<u8>>,
+}
+
+impl Contents {
+    fn read(files: &TlsFiles) -> Result<Contents, TlsError> {
+        Ok(Contents {
+            cert: read(&files.cert)?,
+            key: read(&files.key)?,
+            client_ca: files.client_ca.as_deref().map(read).transpose()?,
+        })
+    }
+
+    fn fingerprint(&self) -> u64 {
+        fingerprint_of(self)
+    }
+}
+
+fn fingerprint_of(value: &(impl Hash + ?Sized)) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> TlsError {
+    TlsError::Invalid {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Every certificate in a PEM file; at least one.
+fn certificates(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| invalid(path, format!("invalid PEM certificate: {error}")))?;
+    if certs.is_empty() {
+        return Err(invalid(
+            path,
+            "no PEM certificate (BEGIN CERTIFICATE) found",
+        ));
+    }
+    Ok(certs)
+}
+
+/// A rustls server config from file contents: ring, TLS 1.2 and 1.3, ALPN `h2`, and client
+/// certificates required when there is a client CA.
+fn build_config(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = certificates(&files.cert, &contents.cert)?;
+    let key = PrivateKeyDer::from_pem_slice(&contents.key)
+        .map_err(|error| invalid(&files.key, format!("no usable PEM private key: {error}")))?;
+    let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Pair {
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+            source,
+        })?;
+    let builder = match (&files.client_ca, &contents.client_ca) {
+        (Some(path), Some(pem)) => {
+            let mut roots = RootCertStore::empty();
+            for cert in certificates(path, pem)? {
+                roots
+                    .add(cert)
+                    .map_err(|error| invalid(path, format!("not a usable CA: {error}")))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|error| invalid(path, format!("not a usable client CA: {error}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(|source| TlsError::Pair {
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+            source,
+        })?;
+    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(config)
+}
+
+/// One client connection on the gRPC port, after a successful handshake.
+pub struct TlsConnection(tokio_rustls::server::TlsStream<TcpStream>);
+
+impl TlsConnection {
+    /// The certificates the client presented (mutual TLS), leaf first.
+    pub fn peer_certificates(&self) -> Option<&[CertificateDer<'static>]> {
+        self.0.get_ref().1.peer_certificates()
+    }
+}
+
+impl Connected for TlsConnection {
+    /// tonic's own TLS connect info, so `Request::remote_addr` and `Request::peer_certs` work.
+    type ConnectInfo = TlsConnectInfo<TcpConnectInfo>;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.0.connect_info()
+    }
+}
+
+impl AsyncRead for TlsConnection {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConnection {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+}
+
+/// The stream of handshaken connections tonic serves (`serve_with_incoming_shutdown`).
+pub type TlsIncoming = ReceiverStream<Result<TlsConnection, Infallible>>;
+
+/// Accepts TCP connections on `listener` and yields those whose TLS handshake succeeds.
+///
+/// Must be called inside a tokio runtime. The accept loop ends, closing the listener, when the
+/// returned stream is dropped (tonic drops it at shutdown).
+pub fn incoming(listener: TcpListener, tls: Arc<TlsSettings>) -> TlsIncoming {
+    let (accepted, stream) = mpsc::channel(ACCEPTED_BACKLOG);
+    tokio::spawn(accept_loop(listener, tls, accepted));
+    ReceiverStream::new(stream)
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Arc<TlsSettings>,
+    accepted: mpsc::Sender<Result<TlsConnection, Infallible>>,
+) {
+    loop {
+        let next = tokio::select! {
+            () = accepted.closed() => return,
+            next = listener.accept() => next,
+        };
+        match next {
+            Ok((socket, peer)) => {
+                if let Err(error) = socket.set_nodelay(true) {
+                    tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
+                }
+                let handshake = handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
+                let accepted = accepted.clone();
+                tokio::spawn(async move {
+                    if let Some(connection) = handshake.await {
+                        // An error means the server stopped; the connection is dropped.
+                        let _ = accepted.send(Ok(connection)).await;
+                    }
+                });
+            }
+            Err(error) if per_connection(&error) => {
+                tracing::debug!(%error, "accept failed");
+            }
+            Err(error) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(%error, "accept failed; retrying shortly");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn handshake(
+    socket: TcpStream,
+    peer: SocketAddr,
+    acceptor: TlsAcceptor,
+    timeout: Duration,
+) -> Option<TlsConnection> {
+    match tokio::time::timeout(timeout, acceptor.accept(socket)).await {
+        Ok(Ok(stream)) => Some(TlsConnection(stream)),
+        Ok(Err(error)) => {
+            tracing::debug!(%peer, %error, "tls handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%peer, ?timeout, "tls handshake timed out");
+            None
+        }
+    }
+}
+
+/// Whether an accept error concerns only the one connection being accepted.
+fn per_connection(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+            | io::ErrorKind::TimedOut
+    )
+}

@@ -1,0 +1,792 @@
+//! TLS over real sockets: the gRPC port with TLS and mutual TLS, certificate reloads, a port a
+//! plain-text client cannot use, and the Redis store over `rediss://` with an ACL user.
+//!
+//! Certificates are made by the `openssl` CLI in a temporary directory, per test.
+
+mod common;
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::{RedisServer, RedisTls};
+use common::{descriptor, request, spawn_server_with};
+use rlsd::algorithm::{Hits, Params};
+use rlsd::limit::Algorithm;
+use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::rate_limit_response::Code;
+use rlsd::server::ServeOptions;
+use rlsd::service::ServiceSettings;
+use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store, StoreError};
+use rlsd::tls::{TlsError, TlsFiles, TlsReload, TlsSettings};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+const CONFIG: &str = r#"
+domain: tls
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 100}
+"#;
+
+/// How often test servers look at their TLS files.
+const RELOAD: Duration = Duration::from_millis(100);
+
+/// The extensions of the certificates the tests make, for `openssl -config/-extfile`.
+const OPENSSL_CNF: &str = "\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = unused
+[ca]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign
+subjectKeyIdentifier = hash
+[server]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1,DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+[client]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = clientAuth
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+";
+
+/// A certificate and its key, as PEM files.
+#[derive(Clone, Debug)]
+struct Issued {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl Issued {
+    fn cert_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.cert).expect("read cert")
+    }
+
+    fn key_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.key).expect("read key")
+    }
+
+    /// The DER of the (first) certificate.
+    fn der(&self) -> CertificateDer<'static> {
+        CertificateDer::from_pem_file(&self.cert).expect("PEM certificate")
+    }
+}
+
+/// Which extensions a leaf certificate gets.
+#[derive(Clone, Copy)]
+enum Leaf {
+    Server,
+    Client,
+}
+
+/// A scratch PKI in a temporary directory, driven through the `openssl` CLI.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("openssl.cnf"), OPENSSL_CNF).expect("write cnf");
+        Pki { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .expect("the openssl CLI is installed");
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    fn key(&self, name: &str) -> PathBuf {
+        let key = format!("{name}.key");
+        self.openssl(&[
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-out",
+            &key,
+        ]);
+        self.path(&key)
+    }
+
+    /// A self-signed CA named `name`.
+    fn ca(&self, name: &str) -> Issued {
+        let key = self.key(name);
+        let cert = format!("{name}.crt");
+        self.openssl(&[
+            "req",
+            "-new",
+            "-x509",
+            "-key",
+            &format!("{name}.key"),
+            "-subj",
+            &format!("/CN={name}"),
+            "-days",
+            "2",
+            "-set_serial",
+            "1",
+            "-config",
+            "openssl.cnf",
+            "-extensions",
+            "ca",
+            "-out",
+            &cert,
+        ]);
+        Issued {
+            cert: self.path(&cert),
+            key,
+        }
+    }
+
+    /// A leaf certificate named `name` (its CN), signed by `ca`, with serial `serial`.
+    fn issue(&self, ca: &Issued, name: &str, leaf: Leaf, serial: u32) -> Issued {
+        let key = self.key(name);
+        let (csr, cert) = (format!("{name}.csr"), format!("{name}.crt"));
+        self.openssl(&[
+            "req",
+            "-new",
+            "-key",
+            &format!("{name}.key"),
+            "-subj",
+            &format!("/CN={name}"),
+            "-config",
+            "openssl.cnf",
+            "-out",
+            &csr,
+        ]);
+        let ca_cert = ca.cert.to_str().expect("utf-8 path");
+        let ca_key = ca.key.to_str().expect("utf-8 path");
+        let extensions = match leaf {
+            Leaf::Server => "server",
+            Leaf::Client => "client",
+        };
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            ca_cert,
+            "-CAkey",
+            ca_key,
+            "-set_serial",
+            &serial.to_string(),
+            "-days",
+            "2",
+            "-extfile",
+            "openssl.cnf",
+            "-extensions",
+            extensions,
+            "-out",
+            &cert,
+        ]);
+        Issued {
+            cert: self.path(&cert),
+            key,
+        }
+    }
+}
+
+/// Replaces `to`'s contents with `from`'s the way a secret update does: a new file renamed over.
+fn replace_file(from: &Path, to: &Path) {
+    let staged = to.with_extension("staged");
+    std::fs::copy(from, &staged).expect("copy");
+    std::fs::rename(&staged, to).expect("rename");
+}
+
+/// The files a server is started from, in their own directory so tests can rewrite them.
+fn serving_files(pki: &Pki, server: &Issued, client_ca: Option<&Issued>) -> TlsFiles {
+    let files = TlsFiles {
+        cert: pki.path("serving.crt"),
+        key: pki.path("serving.key"),
+        client_ca: client_ca.map(|_| pki.path("serving-client-ca.crt")),
+    };
+    std::fs::copy(&server.cert, &files.cert).expect("copy cert");
+    std::fs::copy(&server.key, &files.key).expect("copy key");
+    if let (Some(ca), Some(path)) = (client_ca, &files.client_ca) {
+        std::fs::copy(&ca.cert, path).expect("copy client ca");
+    }
+    files
+}
+
+fn settings() -> ServiceSettings {
+    ServiceSettings::default()
+}
+
+struct TlsServer {
+    grpc: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TlsServer {
+    async fn start(tls: TlsSettings) -> TlsServer {
+        let store = Arc::new(MemoryStore::new(1000));
+        let options = ServeOptions {
+            tls: Some(Arc::new(tls)),
+            ..ServeOptions::default()
+        };
+        let (grpc, _http, stop, task, _) =
+            spawn_server_with(CONFIG, store, settings(), options).await;
+        TlsServer { grpc, stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("server stops")
+            .expect("server task");
+    }
+}
+
+/// A gRPC client over TLS trusting `ca`, presenting `identity` if given.
+async fn tls_client(
+    addr: SocketAddr,
+    ca: &Issued,
+    identity: Option<&Issued>,
+) -> Result<RateLimitServiceClient<Channel>, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca.cert_pem()))
+        .domain_name("localhost");
+    if let Some(identity) = identity {
+        tls = tls.identity(Identity::from_pem(identity.cert_pem(), identity.key_pem()));
+    }
+    let channel = Channel::from_shared(format!("https://{addr}"))
+        .expect("uri")
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    Ok(RateLimitServiceClient::new(channel))
+}
+
+/// One ShouldRateLimit over TLS: the answer's code, or why there was none.
+async fn ask(addr: SocketAddr, ca: &Issued, identity: Option<&Issued>) -> Result<Code, String> {
+    let mut client = tls_client(addr, ca, identity)
+        .await
+        .map_err(|error| format!("connect: {error:?}"))?;
+    let response = client
+        .should_rate_limit(request("tls", vec![descriptor(&[("user", "u")])]))
+        .await
+        .map_err(|status| format!("call: {status:?}"))?;
+    Ok(response.into_inner().overall_code())
+}
+
+fn client_config(ca: &Issued) -> ClientConfig {
+    let mut roots = RootCertStore::empty();
+    roots.add(ca.der()).expect("CA");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    config
+}
+
+/// A fresh TLS handshake with the server: the certificate it presented and the ALPN protocol.
+async fn handshake(addr: SocketAddr, ca: &Issued) -> (CertificateDer<'static>, Option<Vec<u8>>) {
+    let tcp = TcpStream::connect(addr).await.expect("tcp connect");
+    let name = ServerName::try_from("localhost").expect("server name");
+    let tls = TlsConnector::from(Arc::new(client_config(ca)))
+        .connect(name, tcp)
+        .await
+        .expect("tls handshake");
+    let session = tls.get_ref().1;
+    let leaf = session
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .expect("server certificate")
+        .clone()
+        .into_owned();
+    (leaf, session.alpn_protocol().map(<[u8]>::to_vec))
+}
+
+/// Waits until `condition` holds, for up to 10 s.
+async fn wait_for<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_client_gets_an_answer_over_h2() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let tls = TlsSettings::load(serving_files(&pki, &server_cert, None)).expect("valid files");
+    assert!(!tls.mutual());
+    let server = TlsServer::start(tls).await;
+
+    assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    let (leaf, alpn) = handshake(server.grpc, &ca).await;
+    assert_eq!(leaf, server_cert.der());
+    assert_eq!(alpn.as_deref(), Some(&b"h2"[..]));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_text_client_cannot_talk_to_the_tls_port() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let tls = TlsSettings::load(serving_files(&pki, &server_cert, None)).expect("valid files");
+    let server = TlsServer::start(tls).await;
+
+    let plain = async {
+        let channel = Channel::from_shared(format!("http://{}", server.grpc))
+            .expect("uri")
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|error| format!("{error:?}"))?;
+        RateLimitServiceClient::new(channel)
+            .should_rate_limit(request("tls", vec![descriptor(&[("user", "u")])]))
+            .await
+            .map_err(|status| format!("{status:?}"))
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), plain)
+        .await
+        .expect("the plain-text client is refused promptly");
+    assert!(answer.is_err(), "plain text got an answer: {answer:?}");
+
+    // A client that is not TLS at all (raw bytes) gets the socket closed, not an answer.
+    let mut raw = TcpStream::connect(server.grpc).await.expect("connect");
+    tokio::io::AsyncWriteExt::write_all(&mut raw, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the server closes a non-TLS connection");
+    assert!(
+        !buf.windows(4).any(|w| w == b"HTTP") && buf.len() < 64,
+        "no HTTP/2 answer, at most a TLS alert: {buf:?}"
+    );
+
+    // The port still serves TLS clients.
+    assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_accepts_only_clients_with_a_certificate_from_the_ca() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let clients_ca = pki.ca("clients-ca");
+    let other_ca = pki.ca("other-ca");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let envoy = pki.issue(&clients_ca, "envoy", Leaf::Client, 20);
+    let stranger = pki.issue(&other_ca, "stranger", Leaf::Client, 30);
+    let tls = TlsSettings::load(serving_files(&pki, &server_cert, Some(&clients_ca)))
+        .expect("valid files");
+    assert!(tls.mutual());
+    let server = TlsServer::start(tls).await;
+
+    assert_eq!(ask(server.grpc, &ca, Some(&envoy)).await, Ok(Code::Ok));
+    let anonymous = ask(server.grpc, &ca, None).await;
+    assert!(anonymous.is_err(), "no certificate: {anonymous:?}");
+    let foreign = ask(server.grpc, &ca, Some(&stranger)).await;
+    assert!(foreign.is_err(), "certificate from another CA: {foreign:?}");
+    // Refusals do not disturb the port.
+    assert_eq!(ask(server.grpc, &ca, Some(&envoy)).await, Ok(Code::Ok));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_certificate_is_served_to_new_connections_without_restart() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let first = pki.issue(&ca, "rlsd-first", Leaf::Server, 100);
+    let second = pki.issue(&ca, "rlsd-second", Leaf::Server, 200);
+    let files = serving_files(&pki, &first, None);
+    let tls = TlsSettings::load(files.clone())
+        .expect("valid files")
+        .with_reload_interval(RELOAD);
+    let server = TlsServer::start(tls).await;
+    assert_eq!(handshake(server.grpc, &ca).await.0, first.der());
+    // A connection opened before the swap keeps working after it.
+    let mut before = tls_client(server.grpc, &ca, None).await.expect("connect");
+
+    replace_file(&second.key, &files.key);
+    replace_file(&second.cert, &files.cert);
+    wait_for("the new certificate", || async {
+        handshake(server.grpc, &ca).await.0 == second.der()
+    })
+    .await;
+    assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    let answer = before
+        .should_rate_limit(request("tls", vec![descriptor(&[("user", "u")])]))
+        .await;
+    assert!(answer.is_ok(), "old connection: {answer:?}");
+
+    // Broken files are rejected: the last good certificate stays.
+    std::fs::write(&files.cert, "not a certificate").expect("write");
+    tokio::time::sleep(RELOAD * 5).await;
+    assert_eq!(handshake(server.grpc, &ca).await.0, second.der());
+    assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    // A certificate whose key is the other one's is rejected too.
+    replace_file(&first.cert, &files.cert);
+    tokio::time::sleep(RELOAD * 5).await;
+    assert_eq!(handshake(server.grpc, &ca).await.0, second.der());
+    // And fixing the files takes effect.
+    replace_file(&first.key, &files.key);
+    wait_for("the first certificate again", || async {
+        handshake(server.grpc, &ca).await.0 == first.der()
+    })
+    .await;
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_client_ca_applies_to_new_connections() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let old_ca = pki.ca("old-clients");
+    let new_ca = pki.ca("new-clients");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let old_client = pki.issue(&old_ca, "old-envoy", Leaf::Client, 20);
+    let new_client = pki.issue(&new_ca, "new-envoy", Leaf::Client, 30);
+    let files = serving_files(&pki, &server_cert, Some(&old_ca));
+    let client_ca = files.client_ca.clone().expect("client ca");
+    let tls = TlsSettings::load(files)
+        .expect("valid files")
+        .with_reload_interval(RELOAD);
+    let server = TlsServer::start(tls).await;
+    assert_eq!(ask(server.grpc, &ca, Some(&old_client)).await, Ok(Code::Ok));
+    assert!(ask(server.grpc, &ca, Some(&new_client)).await.is_err());
+
+    replace_file(&new_ca.cert, &client_ca);
+    wait_for("the new client CA", || async {
+        ask(server.grpc, &ca, Some(&new_client)).await == Ok(Code::Ok)
+    })
+    .await;
+    assert!(ask(server.grpc, &ca, Some(&old_client)).await.is_err());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_handshake_neither_blocks_others_nor_lingers() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let tls = TlsSettings::load(serving_files(&pki, &server_cert, None))
+        .expect("valid files")
+        .with_handshake_timeout(Duration::from_millis(500));
+    let server = TlsServer::start(tls).await;
+
+    // Connections that never send a ClientHello.
+    let mut silent = Vec::new();
+    for _ in 0..5 {
+        silent.push(TcpStream::connect(server.grpc).await.expect("connect"));
+    }
+    let started = Instant::now();
+    assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    assert!(
+        started.elapsed() < Duration::from_millis(450),
+        "served at once"
+    );
+    for mut socket in silent {
+        let mut buf = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), socket.read_to_end(&mut buf))
+            .await
+            .expect("the server closes a stalled handshake");
+        assert!(closed.is_ok_and(|n| n == 0) || buf.is_empty());
+    }
+    server.stop().await;
+}
+
+#[test]
+fn invalid_files_are_errors_naming_the_file() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let good = pki.issue(&ca, "good", Leaf::Server, 1);
+    let other = pki.issue(&ca, "other", Leaf::Server, 2);
+    let garbage = pki.path("garbage.pem");
+    std::fs::write(&garbage, "not PEM at all").expect("write");
+    let missing = pki.path("missing.pem");
+    let load = |cert: &Path, key: &Path, client_ca: Option<&Path>| {
+        TlsSettings::load(TlsFiles {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            client_ca: client_ca.map(Path::to_owned),
+        })
+        .map(|_| ())
+    };
+
+    let error = load(&garbage, &good.key, None).expect_err("garbage cert");
+    assert!(matches!(error, TlsError::Invalid { ref path, .. } if *path == garbage));
+    assert!(error.to_string().contains("garbage.pem"), "{error}");
+    let error = load(&good.cert, &garbage, None).expect_err("garbage key");
+    assert!(error.to_string().contains("garbage.pem"), "{error}");
+    let error = load(&missing, &good.key, None).expect_err("missing cert");
+    assert!(matches!(error, TlsError::Read { .. }));
+    assert!(error.to_string().contains("missing.pem"), "{error}");
+    let error = load(&good.cert, &other.key, None).expect_err("mismatched key");
+    assert!(matches!(error, TlsError::Pair { .. }), "{error}");
+    assert!(error.to_string().contains("other.key"), "{error}");
+    let error = load(&good.cert, &good.key, Some(&garbage)).expect_err("garbage client CA");
+    assert!(error.to_string().contains("garbage.pem"), "{error}");
+    assert!(load(&good.cert, &good.key, Some(&ca.cert)).is_ok());
+}
+
+#[test]
+fn reload_reports_what_it_did() {
+    let pki = Pki::new();
+    let ca = pki.ca("ca");
+    let first = pki.issue(&ca, "first", Leaf::Server, 1);
+    let second = pki.issue(&ca, "second", Leaf::Server, 2);
+    let files = serving_files(&pki, &first, None);
+    let tls = TlsSettings::load(files.clone()).expect("valid");
+    assert!(matches!(tls.reload_if_changed(), TlsReload::Unchanged));
+    std::fs::write(&files.cert, "broken").expect("write");
+    assert!(matches!(tls.reload_if_changed(), TlsReload::Rejected(_)));
+    // One rejection per change, not one per poll.
+    assert!(matches!(tls.reload_if_changed(), TlsReload::Unchanged));
+    std::fs::remove_file(&files.cert).expect("remove");
+    assert!(matches!(
+        tls.reload_if_changed(),
+        TlsReload::Rejected(TlsError::Read { .. })
+    ));
+    replace_file(&second.cert, &files.cert);
+    replace_file(&second.key, &files.key);
+    assert!(matches!(tls.reload_if_changed(), TlsReload::Swapped));
+    assert!(matches!(tls.reload_if_changed(), TlsReload::Unchanged));
+}
+
+/// A redis-server on TLS only, its CA, and the ACL user `rlsd` / `s3cret`.
+fn tls_redis(pki: &Pki) -> (RedisServer, Issued) {
+    let ca = pki.ca("redis-ca");
+    let cert = pki.issue(&ca, "redis", Leaf::Server, 7);
+    let redis = RedisServer::start_tls(RedisTls {
+        cert: cert.cert,
+        key: cert.key,
+        ca: ca.cert.clone(),
+        user: "rlsd".to_owned(),
+        password: "s3cret".to_owned(),
+    });
+    (redis, ca)
+}
+
+fn check(key: &str) -> Check {
+    Check {
+        key: key.to_owned(),
+        params: Params {
+            algorithm: Algorithm::FixedWindow,
+            limit: 2,
+            period_us: 60_000_000,
+            burst: 2,
+        },
+        hits: Hits::Take(1),
+        shadow: false,
+    }
+}
+
+async fn redis_store(url: String, ca: Option<&Issued>) -> Result<RedisStore, StoreError> {
+    let mut settings = RedisSettings::new(url);
+    settings.command_timeout = Duration::from_secs(2);
+    settings.connect_timeout = Duration::from_secs(2);
+    settings.ca_file = ca.map(|ca| ca.cert.clone());
+    RedisStore::connect(settings).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_decides_over_rediss_with_an_acl_user() {
+    let pki = Pki::new();
+    let (redis, ca) = tls_redis(&pki);
+
+    let store = redis_store(redis.url(), Some(&ca)).await.expect("url");
+    assert!(store.ping().await);
+    for expected in [true, true, false] {
+        let outcomes = store.decide(&[check("tls:k")]).await.expect("decided");
+        assert_eq!(outcomes[0].verdict.allowed, expected);
+    }
+    assert_eq!(redis.cli(&["EXISTS", "tls:k"]).as_deref(), Some("1"));
+
+    // A wrong password is refused.
+    let wrong = redis_store(redis.tls_url("rlsd", "wrong"), Some(&ca))
+        .await
+        .expect("url");
+    assert!(!wrong.ping().await);
+    let refused = wrong.decide(&[check("tls:wrong")]).await;
+    assert!(refused.is_err(), "wrong password: {refused:?}");
+    // Without --redis-ca, the private CA is not trusted.
+    let untrusted = redis_store(redis.url(), None).await.expect("url");
+    let refused = untrusted.decide(&[check("tls:untrusted")]).await;
+    assert!(refused.is_err(), "untrusted CA: {refused:?}");
+    assert_eq!(redis.cli(&["EXISTS", "tls:wrong"]).as_deref(), Some("0"));
+    assert_eq!(
+        redis.cli(&["EXISTS", "tls:untrusted"]).as_deref(),
+        Some("0")
+    );
+}
+
+#[tokio::test]
+async fn a_bad_redis_ca_is_a_config_error_naming_the_file() {
+    let pki = Pki::new();
+    let garbage = pki.path("garbage-ca.pem");
+    std::fs::write(&garbage, "nothing here").expect("write");
+    let mut settings = RedisSettings::new("rediss://127.0.0.1:1");
+    settings.ca_file = Some(garbage);
+    let error = RedisStore::connect(settings).await.err().expect("refused");
+    assert!(matches!(error, StoreError::Config(_)), "{error}");
+    assert!(error.to_string().contains("garbage-ca.pem"), "{error}");
+
+    let ca = pki.ca("ca");
+    let mut settings = RedisSettings::new("redis://127.0.0.1:1");
+    settings.ca_file = Some(ca.cert);
+    let error = RedisStore::connect(settings)
+        .await
+        .err()
+        .expect("a CA needs rediss://");
+    assert!(error.to_string().contains("rediss://"), "{error}");
+}
+
+const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// The `rlsd` binary as a child process; killed when dropped.
+struct Binary(Child);
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_refuses_to_start_on_invalid_tls_files() {
+    let pki = Pki::new();
+    let garbage = pki.path("bad-cert.pem");
+    std::fs::write(&garbage, "nothing").expect("write");
+    let output = Command::new(RLSD)
+        .args(["serve", "--config", "examples/three-layer.yaml"])
+        .args(["--grpc-addr", &format!("127.0.0.1:{}", free_port())])
+        .args(["--http-addr", &format!("127.0.0.1:{}", free_port())])
+        .arg("--tls-cert")
+        .arg(&garbage)
+        .arg("--tls-key")
+        .arg(&garbage)
+        .output()
+        .expect("run rlsd");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("bad-cert.pem"), "{stderr}");
+
+    // --tls-key without --tls-cert is a usage error.
+    let output = Command::new(RLSD)
+        .args(["serve", "--config", "examples/three-layer.yaml"])
+        .arg("--tls-key")
+        .arg(&garbage)
+        .output()
+        .expect("run rlsd");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--tls-cert"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_mutual_tls_on_a_redis_store_over_tls() {
+    let pki = Pki::new();
+    let (redis, redis_ca) = tls_redis(&pki);
+    let ca = pki.ca("ca");
+    let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+    let envoy = pki.issue(&ca, "envoy", Leaf::Client, 11);
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let child = Command::new(RLSD)
+        .args(["serve", "--config", "examples/three-layer.yaml"])
+        .args(["--grpc-addr", &grpc.to_string()])
+        .args(["--http-addr", &format!("127.0.0.1:{}", free_port())])
+        .args([
+            "--key-prefix",
+            "tls-e2e",
+            "--redis-command-timeout-ms",
+            "2000",
+        ])
+        .arg("--tls-cert")
+        .arg(&server_cert.cert)
+        .arg("--tls-key")
+        .arg(&server_cert.key)
+        .arg("--tls-client-ca")
+        .arg(&ca.cert)
+        .arg("--redis-ca")
+        .arg(&redis_ca.cert)
+        .env("RLSD_REDIS_URL", redis.url())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rlsd");
+    let mut child = Binary(child);
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut client = loop {
+        match tls_client(grpc, &ca, Some(&envoy)).await {
+            Ok(client) => break client,
+            Err(error) => {
+                if let Ok(Some(status)) = child.0.try_wait() {
+                    let mut stderr = String::new();
+                    if let Some(mut pipe) = child.0.stderr.take() {
+                        let _ = pipe.read_to_string(&mut stderr);
+                    }
+                    panic!("rlsd exited ({status}): {stderr}");
+                }
+                assert!(Instant::now() < deadline, "rlsd did not come up: {error:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let response = client
+        .should_rate_limit(request(
+            "edge-proxy",
+            vec![descriptor(&[("remote_address", "10.0.0.1")])],
+        ))
+        .await
+        .expect("an answer over mutual TLS");
+    assert_eq!(response.into_inner().overall_code(), Code::Ok);
+    let keys = redis.cli(&["KEYS", "tls-e2e:*"]).expect("keys");
+    assert!(!keys.is_empty(), "the decision was kept in redis");
+    assert!(ask(grpc, &ca, None).await.is_err(), "no client certificate");
+}
