@@ -454,7 +454,9 @@ async fn redis_store_unbatched() -> (RedisStore, ManualClock, common::redis::Red
     redis_store_batching(1).await
 }
 
-async fn redis_store_batching(max_batch: usize) -> (RedisStore, ManualClock, common::redis::RedisServer) {
+async fn redis_store_batching(
+    max_batch: usize,
+) -> (RedisStore, ManualClock, common::redis::RedisServer) {
     let server = common::redis::RedisServer::start();
     let clock = ManualClock::at(T0);
     let mut settings = RedisSettings::new(server.url());
@@ -479,7 +481,9 @@ async fn cluster_passes_the_whole_suite() {
     let mut settings = rlsd::store::ClusterSettings::new(cluster.urls());
     settings.command_timeout = std::time::Duration::from_secs(2);
     settings.fixed_clock = Some(Arc::new(clock.clone()));
-    let store = rlsd::store::ClusterStore::connect(settings).await.expect("connect");
+    let store = rlsd::store::ClusterStore::connect(settings)
+        .await
+        .expect("connect");
     gcra_worked_example(&store, &clock).await;
     fixed_window_edge_burst(&store, &clock).await;
     sliding_log_exactness(&store, &clock).await;

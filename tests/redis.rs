@@ -270,7 +270,13 @@ fn evalsha_calls(redis: &RedisServer) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_are_coalesced_and_stay_exact() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(EXACT, &redis.url(), FailureMode::Error, Duration::from_secs(2)).await;
+    let rlsd = Rlsd::start(
+        EXACT,
+        &redis.url(),
+        FailureMode::Error,
+        Duration::from_secs(2),
+    )
+    .await;
     let client = rlsd.client().await;
     let before = evalsha_calls(&redis);
     let tasks: Vec<_> = (0..64)
@@ -286,7 +292,11 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
                             descriptor(&[("algorithm", "token_bucket")]),
                         ],
                     );
-                    let response = client.should_rate_limit(req).await.expect("answer").into_inner();
+                    let response = client
+                        .should_rate_limit(req)
+                        .await
+                        .expect("answer")
+                        .into_inner();
                     ok += usize::from(response.overall_code == Code::Ok as i32);
                 }
                 ok
@@ -299,6 +309,9 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
     }
     assert_eq!(allowed, 500, "1280 two-limit requests, both limits 500");
     let calls = evalsha_calls(&redis) - before;
-    assert!(calls < 1280, "{calls} EVALSHA calls for 1280 concurrent requests: nothing was coalesced");
+    assert!(
+        calls < 1280,
+        "{calls} EVALSHA calls for 1280 concurrent requests: nothing was coalesced"
+    );
     rlsd.stop().await;
 }

@@ -26,8 +26,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
 
 use crate::algorithm::{Hits, Params};
-use crate::limit::Algorithm;
 use crate::clock::Clock;
+use crate::limit::Algorithm;
 
 use super::redis::{SCRIPT, build_invocation, split_reply};
 use super::{Check, Outcome, Store, StoreError, request_allowed};
@@ -77,10 +77,15 @@ impl ClusterStore {
             .retries(2)
             .build()
             .map_err(|error| StoreError::Config(format!("invalid redis cluster nodes: {error}")))?;
-        let connection = tokio::time::timeout(settings.connect_timeout * 5, client.get_async_connection())
-            .await
-            .map_err(|_| StoreError::Unavailable("redis cluster: no seed node answered in time".to_owned()))?
-            .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
+        let connection =
+            tokio::time::timeout(settings.connect_timeout * 5, client.get_async_connection())
+                .await
+                .map_err(|_| {
+                    StoreError::Unavailable(
+                        "redis cluster: no seed node answered in time".to_owned(),
+                    )
+                })?
+                .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
         tracing::info!(nodes = settings.nodes.len(), "redis cluster connected");
         Ok(ClusterStore {
             connection,
@@ -96,10 +101,13 @@ impl ClusterStore {
         let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), &requests);
         let mut connection = self.connection.clone();
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let reply: Vec<i64> = tokio::time::timeout(self.command_timeout, invocation.invoke_async(&mut connection))
-            .await
-            .map_err(|_| StoreError::Timeout(self.command_timeout))?
-            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        let reply: Vec<i64> = tokio::time::timeout(
+            self.command_timeout,
+            invocation.invoke_async(&mut connection),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.command_timeout))?
+        .map_err(|error| StoreError::Unavailable(error.to_string()))?;
         split_reply(&reply, &requests)?
             .pop()
             .ok_or_else(|| StoreError::Protocol("no answer for the slot group".to_owned()))
@@ -179,7 +187,10 @@ impl Store for ClusterStore {
         let mut connection = self.connection.clone();
         let command = redis::cmd("PING");
         let ping = command.query_async::<String>(&mut connection);
-        matches!(tokio::time::timeout(self.command_timeout, ping).await, Ok(Ok(_)))
+        matches!(
+            tokio::time::timeout(self.command_timeout, ping).await,
+            Ok(Ok(_))
+        )
     }
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
@@ -190,8 +201,10 @@ impl Store for ClusterStore {
             .collect();
         // Refunds cannot be taken back exactly, so a request that gives hits back across slots
         // is first evaluated without committing; only if it passes is it sent for real.
-        let refunds_across_slots =
-            group_checks.len() > 1 && checks.iter().any(|check| matches!(check.hits, Hits::Refund(_)));
+        let refunds_across_slots = group_checks.len() > 1
+            && checks
+                .iter()
+                .any(|check| matches!(check.hits, Hits::Refund(_)));
         if refunds_across_slots {
             let dry = self.dry_run(&group_checks).await;
             let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
@@ -213,7 +226,9 @@ impl Store for ClusterStore {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
         let mut failure = None;
         let mut committed = Vec::new();
-        for (group_index, ((group, members), answer)) in group_checks.iter().zip(&groups).zip(answers).enumerate() {
+        for (group_index, ((group, members), answer)) in
+            group_checks.iter().zip(&groups).zip(answers).enumerate()
+        {
             match answer {
                 Ok(answer) => {
                     if request_allowed(group, &answer) {
@@ -236,12 +251,20 @@ impl Store for ClusterStore {
             let refunds: Vec<Vec<Check>> = committed
                 .iter()
                 .filter_map(|&group| {
-                    let answers: Option<Vec<Outcome>> =
-                        groups[group].iter().map(|(index, _)| outcomes.as_ref().map(|o| o[*index])).collect();
+                    let answers: Option<Vec<Outcome>> = groups[group]
+                        .iter()
+                        .map(|(index, _)| outcomes.as_ref().map(|o| o[*index]))
+                        .collect();
                     Some(refunds(&group_checks[group], &answers?))
                 })
                 .collect();
-            let results = join_all(refunds.iter().filter(|r| !r.is_empty()).map(|r| self.call(r))).await;
+            let results = join_all(
+                refunds
+                    .iter()
+                    .filter(|r| !r.is_empty())
+                    .map(|r| self.call(r)),
+            )
+            .await;
             for result in results {
                 if let Err(error) = result {
                     tracing::warn!(%error, "redis cluster: refund of a denied request failed; its hits stay counted");
@@ -251,7 +274,8 @@ impl Store for ClusterStore {
         if let Some(error) = failure {
             return Err(error);
         }
-        let mut outcomes = outcomes.ok_or_else(|| StoreError::Protocol("a slot group had no answer".to_owned()))?;
+        let mut outcomes = outcomes
+            .ok_or_else(|| StoreError::Protocol("a slot group had no answer".to_owned()))?;
         if denied {
             // The refunded groups took nothing in the end: report what they still have (groups
             // that denied already report it).

@@ -140,10 +140,15 @@ impl RedisStore {
         let queue = (settings.max_batch > 1).then(|| {
             // Bounded, so a stalled Redis cannot queue without limit: beyond it callers wait,
             // and their own timeout answers them.
-            let (sender, receiver) = mpsc::channel(settings.max_batch * settings.pipelines.max(1) * 4);
+            let (sender, receiver) =
+                mpsc::channel(settings.max_batch * settings.pipelines.max(1) * 4);
             let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
             for _ in 0..settings.pipelines.max(1) {
-                tokio::spawn(run_batches(Arc::clone(&caller), Arc::clone(&receiver), settings.max_batch));
+                tokio::spawn(run_batches(
+                    Arc::clone(&caller),
+                    Arc::clone(&receiver),
+                    settings.max_batch,
+                ));
             }
             sender
         });
@@ -196,9 +201,9 @@ impl RedisStore {
                 .send(job)
                 .await
                 .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
-            answer
-                .await
-                .map_err(|_| StoreError::Unavailable("redis batcher dropped the request".to_owned()))?
+            answer.await.map_err(|_| {
+                StoreError::Unavailable("redis batcher dropped the request".to_owned())
+            })?
         })
         .await
         .map_err(|_| StoreError::Timeout(self.command_timeout))?
@@ -277,7 +282,10 @@ pub(super) fn build_invocation<'s>(
 }
 
 /// The script's flat reply, split back into one answer per request.
-pub(super) fn split_reply(reply: &[i64], requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
+pub(super) fn split_reply(
+    reply: &[i64],
+    requests: &[&[Check]],
+) -> Result<Vec<Vec<Outcome>>, StoreError> {
     let total: usize = requests.iter().map(|checks| checks.len()).sum();
     let mut outcomes = parse_reply(reply, total)?.into_iter();
     Ok(requests
@@ -295,7 +303,11 @@ struct Job {
 /// Runs batches: takes whatever requests queued while the previous call was in flight (at
 /// least one, at most `max_batch`), so a lone request goes out at once and a busy server sends
 /// fewer, larger calls.
-async fn run_batches(store: Arc<RedisCaller>, queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>, max_batch: usize) {
+async fn run_batches(
+    store: Arc<RedisCaller>,
+    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    max_batch: usize,
+) {
     loop {
         let mut jobs = Vec::new();
         {

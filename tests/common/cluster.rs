@@ -23,7 +23,10 @@ fn free_ports(n: usize) -> Vec<u16> {
             listeners.push(listener);
         }
     }
-    listeners.iter().map(|l| l.local_addr().expect("addr").port()).collect()
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr").port())
+        .collect()
 }
 
 impl RedisCluster {
@@ -48,7 +51,11 @@ impl RedisCluster {
             .args(["--cluster-replicas", "1", "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create");
-        assert!(output.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&output.stdout));
+        assert!(
+            output.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
         cluster.wait_until_ok();
         cluster
     }
@@ -56,7 +63,16 @@ impl RedisCluster {
     fn start_node(&mut self, i: usize) {
         let port = self.ports[i];
         let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
             .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
             .arg("--dir")
@@ -82,7 +98,10 @@ impl RedisCluster {
                 .iter()
                 .zip(&self.children)
                 .filter(|(_, child)| child.is_some())
-                .all(|(port, _)| self.cli(*port, &["CLUSTER", "INFO"]).is_some_and(|info| info.contains("cluster_state:ok")));
+                .all(|(port, _)| {
+                    self.cli(*port, &["CLUSTER", "INFO"])
+                        .is_some_and(|info| info.contains("cluster_state:ok"))
+                });
             if ok {
                 return;
             }
@@ -93,7 +112,10 @@ impl RedisCluster {
 
     /// `redis://127.0.0.1:<port>` for every node.
     pub fn urls(&self) -> Vec<String> {
-        self.ports.iter().map(|port| format!("redis://127.0.0.1:{port}")).collect()
+        self.ports
+            .iter()
+            .map(|port| format!("redis://127.0.0.1:{port}"))
+            .collect()
     }
 
     /// The ports of the current masters.
@@ -102,7 +124,10 @@ impl RedisCluster {
             .iter()
             .zip(&self.children)
             .filter(|(_, child)| child.is_some())
-            .filter(|(port, _)| self.cli(**port, &["ROLE"]).is_some_and(|role| role.starts_with("master")))
+            .filter(|(port, _)| {
+                self.cli(**port, &["ROLE"])
+                    .is_some_and(|role| role.starts_with("master"))
+            })
             .map(|(port, _)| *port)
             .collect()
     }
@@ -124,7 +149,10 @@ impl RedisCluster {
             .args(args)
             .output()
             .ok()?;
-        output.status.success().then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+        output
+            .status
+            .success()
+            .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
     }
 }
 
