@@ -16,7 +16,7 @@ use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
-use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd::store::{ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store};
 use rlsd::tls::{TlsFiles, TlsSettings};
 
 /// A rate limit service for Envoy.
@@ -31,6 +31,15 @@ struct Cli {
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Which Redis topology `--redis-url` names.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RedisMode {
+    /// One Redis server.
+    Single,
+    /// A Redis Cluster, reached through seed nodes.
+    Cluster,
 }
 
 /// How log lines are written to stderr.
@@ -80,6 +89,10 @@ struct ServeArgs {
     /// of in process, so replicas share it.
     #[arg(long, env = "RLSD_REDIS_URL")]
     redis_url: Option<String>,
+    /// `single`: one Redis (or a primary behind a proxy); `cluster`: Redis Cluster, with
+    /// `--redis-url` a comma-separated list of seed nodes.
+    #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
+    redis_mode: RedisMode,
     /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots).
     #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
     redis_ca: Option<PathBuf>,
@@ -196,6 +209,28 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             shadow_mode: args.shadow_mode,
         };
         match &args.redis_url {
+            Some(urls) if args.redis_mode == RedisMode::Cluster => {
+                let nodes = urls
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|u| !u.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                let mut cluster = ClusterSettings::new(nodes);
+                cluster.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
+                cluster.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
+                let store = Arc::new(ClusterStore::connect(cluster).await?);
+                serve_with(
+                    store,
+                    "redis-cluster",
+                    config,
+                    settings,
+                    listeners,
+                    tls,
+                    &args,
+                )
+                .await
+            }
             Some(url) => {
                 let mut redis = RedisSettings::new(url.clone());
                 redis.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);

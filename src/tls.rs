@@ -60,13 +60,12 @@ pub struct TlsFiles {
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A file could not be read.
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}: {error}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
         /// What reading it said.
-        #[source]
-        source: io::Error,
+        error: io::Error,
     },
     /// A file does not hold what it should.
     #[error("{}: {reason}", path.display())]
@@ -77,15 +76,14 @@ pub enum TlsError {
         reason: String,
     },
     /// The certificate and key cannot serve together (a mismatch, or a key rustls rejects).
-    #[error("certificate {} with key {}: {source}", cert.display(), key.display())]
+    #[error("certificate {} with key {}: {error}", cert.display(), key.display())]
     Pair {
         /// The certificate file.
         cert: PathBuf,
         /// The key file.
         key: PathBuf,
         /// What rustls said.
-        #[source]
-        source: rustls::Error,
+        error: rustls::Error,
     },
 }
 
@@ -246,9 +244,9 @@ fn fingerprint_of(value: &(impl Hash + ?Sized)) -> u64 {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
+    std::fs::read(path).map_err(|error| TlsError::Read {
         path: path.to_owned(),
-        source,
+        error,
     })
 }
 
@@ -282,10 +280,10 @@ fn build_config(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, T
         .map_err(|error| invalid(&files.key, format!("no usable PEM private key: {error}")))?;
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
-        .map_err(|source| TlsError::Pair {
+        .map_err(|error| TlsError::Pair {
             cert: files.cert.clone(),
             key: files.key.clone(),
-            source,
+            error,
         })?;
     let builder = match (&files.client_ca, &contents.client_ca) {
         (Some(path), Some(pem)) => {
@@ -304,10 +302,10 @@ fn build_config(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, T
     };
     let mut config = builder
         .with_single_cert(chain, key)
-        .map_err(|source| TlsError::Pair {
+        .map_err(|error| TlsError::Pair {
             cert: files.cert.clone(),
             key: files.key.clone(),
-            source,
+            error,
         })?;
     config.alpn_protocols = vec![ALPN_H2.to_vec()];
     Ok(config)

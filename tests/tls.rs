@@ -509,7 +509,7 @@ async fn a_stalled_handshake_neither_blocks_others_nor_lingers() {
     let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
     let tls = TlsSettings::load(serving_files(&pki, &server_cert, None))
         .expect("valid files")
-        .with_handshake_timeout(Duration::from_millis(500));
+        .with_handshake_timeout(Duration::from_secs(3));
     let server = TlsServer::start(tls).await;
 
     // Connections that never send a ClientHello.
@@ -519,13 +519,14 @@ async fn a_stalled_handshake_neither_blocks_others_nor_lingers() {
     }
     let started = Instant::now();
     assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+    // Well before the silent handshakes time out: they did not hold up the accept loop.
     assert!(
-        started.elapsed() < Duration::from_millis(450),
+        started.elapsed() < Duration::from_millis(2500),
         "served at once"
     );
     for mut socket in silent {
         let mut buf = Vec::new();
-        let closed = tokio::time::timeout(Duration::from_secs(5), socket.read_to_end(&mut buf))
+        let closed = tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut buf))
             .await
             .expect("the server closes a stalled handshake");
         assert!(closed.is_ok_and(|n| n == 0) || buf.is_empty());

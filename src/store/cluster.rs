@@ -18,8 +18,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use futures_util::future::join_all;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -59,9 +61,15 @@ impl ClusterSettings {
 
 /// State in a Redis Cluster.
 pub struct ClusterStore {
-    connection: ClusterConnection,
+    client: ClusterClient,
+    /// Replaced by a fresh connection (a fresh view of the topology) after failures, since a
+    /// connection can keep routing to a master that died until it is rebuilt.
+    connection: Arc<ArcSwap<ClusterConnection>>,
+    /// Whether a rebuild is under way, so failures trigger one at a time.
+    rebuilding: Arc<AtomicBool>,
     script: redis::Script,
     command_timeout: Duration,
+    connect_timeout: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
 }
 
@@ -88,26 +96,60 @@ impl ClusterStore {
                 .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
         tracing::info!(nodes = settings.nodes.len(), "redis cluster connected");
         Ok(ClusterStore {
-            connection,
+            client,
+            connection: Arc::new(ArcSwap::from_pointee(connection)),
+            rebuilding: Arc::new(AtomicBool::new(false)),
             script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
+            connect_timeout: settings.connect_timeout,
             fixed_clock: settings.fixed_clock,
         })
+    }
+
+    /// Rebuilds the connection in the background (one rebuild at a time, at most one a
+    /// second), so a failover is followed even when no MOVED reply ever comes back.
+    fn rebuild_connection(&self) {
+        if self.rebuilding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (client, connection, rebuilding) = (
+            self.client.clone(),
+            Arc::clone(&self.connection),
+            Arc::clone(&self.rebuilding),
+        );
+        let connect_timeout = self.connect_timeout;
+        tokio::spawn(async move {
+            match tokio::time::timeout(connect_timeout, client.get_async_connection()).await {
+                Ok(Ok(fresh)) => {
+                    connection.store(Arc::new(fresh));
+                    tracing::info!("redis cluster connection rebuilt");
+                }
+                Ok(Err(error)) => tracing::warn!(%error, "redis cluster reconnect failed"),
+                Err(_) => tracing::warn!("redis cluster reconnect timed out"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            rebuilding.store(false, Ordering::Release);
+        });
     }
 
     /// One slot group as one request of the script.
     async fn call(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let requests = [checks];
         let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), &requests);
-        let mut connection = self.connection.clone();
+        let mut connection = ClusterConnection::clone(&self.connection.load());
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let reply: Vec<i64> = tokio::time::timeout(
-            self.command_timeout,
-            invocation.invoke_async(&mut connection),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.command_timeout))?
-        .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        let call = invocation.invoke_async(&mut connection);
+        let reply: Vec<i64> = match tokio::time::timeout(self.command_timeout, call).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(error)) => {
+                self.rebuild_connection();
+                return Err(StoreError::Unavailable(error.to_string()));
+            }
+            Err(_) => {
+                self.rebuild_connection();
+                return Err(StoreError::Timeout(self.command_timeout));
+            }
+        };
         split_reply(&reply, &requests)?
             .pop()
             .ok_or_else(|| StoreError::Protocol("no answer for the slot group".to_owned()))
@@ -184,7 +226,7 @@ impl Store for ClusterStore {
     }
 
     async fn healthy(&self) -> bool {
-        let mut connection = self.connection.clone();
+        let mut connection = ClusterConnection::clone(&self.connection.load());
         let command = redis::cmd("PING");
         let ping = command.query_async::<String>(&mut connection);
         matches!(

@@ -74,6 +74,13 @@ impl RedisCluster {
                 "no",
             ])
             .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+            // Replicas sync at once and may always take over: a test kills masters on purpose.
+            .args([
+                "--repl-diskless-sync-delay",
+                "0",
+                "--cluster-replica-validity-factor",
+                "0",
+            ])
             .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
             .arg("--dir")
             .arg(self.dir.path())
@@ -89,19 +96,28 @@ impl RedisCluster {
         }
     }
 
-    /// Waits until every live node reports `cluster_state:ok`.
+    /// Waits until every live node reports `cluster_state:ok` and every replica is in sync.
     pub fn wait_until_ok(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = self
+            let replicas_synced = self
                 .ports
                 .iter()
                 .zip(&self.children)
                 .filter(|(_, child)| child.is_some())
-                .all(|(port, _)| {
-                    self.cli(*port, &["CLUSTER", "INFO"])
-                        .is_some_and(|info| info.contains("cluster_state:ok"))
-                });
+                .filter_map(|(port, _)| self.cli(*port, &["INFO", "replication"]))
+                .filter(|info| info.contains("role:slave"))
+                .all(|info| info.contains("master_link_status:up"));
+            let ok = replicas_synced
+                && self
+                    .ports
+                    .iter()
+                    .zip(&self.children)
+                    .filter(|(_, child)| child.is_some())
+                    .all(|(port, _)| {
+                        self.cli(*port, &["CLUSTER", "INFO"])
+                            .is_some_and(|info| info.contains("cluster_state:ok"))
+                    });
             if ok {
                 return;
             }
@@ -130,6 +146,14 @@ impl RedisCluster {
             })
             .map(|(port, _)| *port)
             .collect()
+    }
+
+    /// The master that serves `key` (the one that answers it instead of redirecting).
+    pub fn master_of(&self, key: &str) -> Option<u16> {
+        self.masters().into_iter().find(|port| {
+            self.cli(*port, &["GET", key])
+                .is_some_and(|answer| !answer.starts_with("MOVED"))
+        })
     }
 
     /// Kills the node on `port`, as a crash would.
