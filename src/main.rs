@@ -14,7 +14,7 @@ use rlsd::engine::KeySettings;
 use rlsd::metrics::{DEFAULT_NEAR_LIMIT_RATIO, Metrics};
 use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners, ServeOptions};
-use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, ServiceSettings};
+use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, RequestLimits, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
 use rlsd::store::{ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store};
 use rlsd::tls::{TlsFiles, TlsSettings};
@@ -141,6 +141,52 @@ struct ServeArgs {
     /// How often to look for changed TLS files, in milliseconds (0: never).
     #[arg(long, env = "RLSD_TLS_RELOAD_INTERVAL_MS", default_value_t = 5000)]
     tls_reload_interval_ms: u64,
+    /// Most descriptors in one request; more is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_DESCRIPTORS",
+        default_value_t = RequestLimits::DEFAULT_MAX_DESCRIPTORS,
+        value_parser = at_least_one
+    )]
+    max_descriptors: usize,
+    /// Most entries in one descriptor; more is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_ENTRIES",
+        default_value_t = RequestLimits::DEFAULT_MAX_ENTRIES,
+        value_parser = at_least_one
+    )]
+    max_entries: usize,
+    /// Longest descriptor entry key, in bytes; longer is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_KEY_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_KEY_BYTES,
+        value_parser = at_least_one
+    )]
+    max_key_bytes: usize,
+    /// Longest descriptor entry value, in bytes; longer is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_VALUE_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_VALUE_BYTES
+    )]
+    max_value_bytes: usize,
+    /// Largest `hits_addend` of a request or descriptor; larger is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_HITS_ADDEND",
+        default_value_t = RequestLimits::DEFAULT_MAX_HITS_ADDEND
+    )]
+    max_hits_addend: u64,
+    /// Largest encoded gRPC request, in bytes; larger is refused by tonic with OUT_OF_RANGE.
+    #[arg(
+        long,
+        env = "RLSD_MAX_MESSAGE_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_MESSAGE_BYTES,
+        value_parser = at_least_one
+    )]
+    max_message_bytes: usize,
 }
 
 fn main() -> ExitCode {
@@ -207,6 +253,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             headers: args.headers,
             failure_mode: args.failure_mode,
             shadow_mode: args.shadow_mode,
+            limits: RequestLimits {
+                max_descriptors: args.max_descriptors,
+                max_entries: args.max_entries,
+                max_key_bytes: args.max_key_bytes,
+                max_value_bytes: args.max_value_bytes,
+                max_hits_addend: args.max_hits_addend,
+                max_message_bytes: args.max_message_bytes,
+            },
         };
         match &args.redis_url {
             Some(urls) if args.redis_mode == RedisMode::Cluster => {
@@ -305,6 +359,15 @@ fn tls_settings(args: &ServeArgs) -> anyhow::Result<Option<Arc<TlsSettings>>> {
         .context("invalid TLS files, not starting")?
         .with_reload_interval(Duration::from_millis(args.tls_reload_interval_ms));
     Ok(Some(Arc::new(tls)))
+}
+
+/// Parses a count that must be at least 1 (a limit of 0 would refuse every request).
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(error) => Err(error.to_string()),
+    }
 }
 
 /// Reclaims expired keys every second, off the async workers.

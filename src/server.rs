@@ -139,6 +139,7 @@ pub async fn run_with<S: Store>(
     set_grpc_health(&reporter, true).await;
     let metrics = limiter.metrics();
     let store = limiter.store();
+    let max_message_bytes = limiter.limits().max_message_bytes;
     let limiter = Arc::new(limiter);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -192,7 +193,11 @@ pub async fn run_with<S: Store>(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(RateLimitServiceServer::from_arc(Arc::clone(&limiter)));
+        .add_service(
+            // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
+            RateLimitServiceServer::from_arc(Arc::clone(&limiter))
+                .max_decoding_message_size(max_message_bytes),
+        );
     let grpc = serve_grpc(
         router,
         listeners.grpc,

@@ -1,5 +1,6 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
+use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -84,6 +85,53 @@ pub struct ServiceSettings {
     /// Every limit in shadow mode: evaluated, counted and reported, never denying (a dry run
     /// of a whole config).
     pub shadow_mode: bool,
+    /// Bounds on a request's size; anything over is INVALID_ARGUMENT.
+    pub limits: RequestLimits,
+}
+
+/// Bounds on what one request may carry, far above anything Envoy sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Most descriptors in one request (`--max-descriptors`).
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor (`--max-entries`).
+    pub max_entries: usize,
+    /// Longest entry key, in bytes (`--max-key-bytes`).
+    pub max_key_bytes: usize,
+    /// Longest entry value, in bytes (`--max-value-bytes`).
+    pub max_value_bytes: usize,
+    /// Largest `hits_addend`, of the request or of a descriptor (`--max-hits-addend`).
+    pub max_hits_addend: u64,
+    /// Largest encoded gRPC request, in bytes (`--max-message-bytes`); tonic enforces it.
+    pub max_message_bytes: usize,
+}
+
+impl RequestLimits {
+    /// Default `max_descriptors`.
+    pub const DEFAULT_MAX_DESCRIPTORS: usize = 64;
+    /// Default `max_entries`.
+    pub const DEFAULT_MAX_ENTRIES: usize = 32;
+    /// Default `max_key_bytes`.
+    pub const DEFAULT_MAX_KEY_BYTES: usize = 256;
+    /// Default `max_value_bytes`.
+    pub const DEFAULT_MAX_VALUE_BYTES: usize = 1024;
+    /// Default `max_hits_addend`.
+    pub const DEFAULT_MAX_HITS_ADDEND: u64 = 1_000_000_000;
+    /// Default `max_message_bytes` (64 KiB).
+    pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_descriptors: Self::DEFAULT_MAX_DESCRIPTORS,
+            max_entries: Self::DEFAULT_MAX_ENTRIES,
+            max_key_bytes: Self::DEFAULT_MAX_KEY_BYTES,
+            max_value_bytes: Self::DEFAULT_MAX_VALUE_BYTES,
+            max_hits_addend: Self::DEFAULT_MAX_HITS_ADDEND,
+            max_message_bytes: Self::DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
 }
 
 /// The rate limit service over a store `S`.
@@ -124,12 +172,18 @@ impl<S: Store> RateLimiter<S> {
         Arc::clone(&self.metrics)
     }
 
+    /// The request bounds this service enforces.
+    pub fn limits(&self) -> RequestLimits {
+        self.settings.limits
+    }
+
     /// Answers one request: validate, match, decide, assemble.
     pub async fn decide(
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
-        let request = validate(request).inspect_err(|_| self.metrics.invalid_requests.inc())?;
+        let request = validate(request, &self.settings.limits)
+            .inspect_err(|_| self.metrics.invalid_requests.inc())?;
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let mut plan = engine::plan(&config, &request, &self.settings.keys);
@@ -289,8 +343,12 @@ fn detailed_path(domain: &str, descriptor: &Descriptor) -> String {
     path
 }
 
-/// Turns the wire request into the engine's, rejecting what Envoy would never send.
-fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
+/// Turns the wire request into the engine's, rejecting what Envoy would never send and what
+/// exceeds `limits`.
+fn validate(
+    request: pb::RateLimitRequest,
+    limits: &RequestLimits,
+) -> Result<engine::Request, Status> {
     if request.domain.is_empty() {
         return Err(Status::invalid_argument(
             "rate limit domain must not be empty",
@@ -301,11 +359,24 @@ fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
             "rate limit descriptor list must not be empty",
         ));
     }
+    if request.descriptors.len() > limits.max_descriptors {
+        return Err(Status::invalid_argument(format!(
+            "request has {} descriptors; at most {} are allowed (--max-descriptors)",
+            request.descriptors.len(),
+            limits.max_descriptors
+        )));
+    }
+    if u64::from(request.hits_addend) > limits.max_hits_addend {
+        return Err(Status::invalid_argument(format!(
+            "request hits_addend is {}; at most {} is allowed (--max-hits-addend)",
+            request.hits_addend, limits.max_hits_addend
+        )));
+    }
     let descriptors = request
         .descriptors
         .into_iter()
         .enumerate()
-        .map(|(index, descriptor)| validate_descriptor(index, descriptor))
+        .map(|(index, descriptor)| validate_descriptor(index, descriptor, limits))
         .collect::<Result<_, _>>()?;
     Ok(engine::Request {
         domain: request.domain,
@@ -317,10 +388,26 @@ fn validate(request: pb::RateLimitRequest) -> Result<engine::Request, Status> {
 fn validate_descriptor(
     index: usize,
     descriptor: pb::RateLimitDescriptor,
+    limits: &RequestLimits,
 ) -> Result<Descriptor, Status> {
     if descriptor.entries.is_empty() {
         return Err(Status::invalid_argument(format!(
             "descriptor {index} has no entries"
+        )));
+    }
+    if descriptor.entries.len() > limits.max_entries {
+        return Err(Status::invalid_argument(format!(
+            "descriptor {index} has {} entries; at most {} are allowed (--max-entries)",
+            descriptor.entries.len(),
+            limits.max_entries
+        )));
+    }
+    if let Some(hits) = descriptor.hits_addend
+        && hits > limits.max_hits_addend
+    {
+        return Err(Status::invalid_argument(format!(
+            "descriptor {index} hits_addend is {hits}; at most {} is allowed (--max-hits-addend)",
+            limits.max_hits_addend
         )));
     }
     let entries = descriptor
@@ -331,6 +418,18 @@ fn validate_descriptor(
             if entry.key.is_empty() {
                 Err(Status::invalid_argument(format!(
                     "descriptor {index} entry {position} has an empty key"
+                )))
+            } else if entry.key.len() > limits.max_key_bytes {
+                Err(Status::invalid_argument(format!(
+                    "descriptor {index} entry {position} key is {} bytes; at most {} are allowed (--max-key-bytes)",
+                    entry.key.len(),
+                    limits.max_key_bytes
+                )))
+            } else if entry.value.len() > limits.max_value_bytes {
+                Err(Status::invalid_argument(format!(
+                    "descriptor {index} entry {position} value is {} bytes; at most {} are allowed (--max-value-bytes)",
+                    entry.value.len(),
+                    limits.max_value_bytes
                 )))
             } else {
                 Ok((entry.key, entry.value))
@@ -508,31 +607,30 @@ fn rate_limit_headers(
         value,
         raw_value: Vec::new(),
     };
-    let policies: Vec<String> = limited
-        .iter()
-        .filter_map(|r| {
-            let limit = r.status.current_limit.as_ref()?;
-            let name = if limit.name.is_empty() {
-                String::new()
-            } else {
-                format!(";name=\"{}\"", limit.name)
-            };
-            Some(format!(
-                "{};w={}{name}",
-                limit.requests_per_unit, r.window_seconds
-            ))
-        })
-        .collect();
     let closest_limit = closest
         .status
         .current_limit
         .as_ref()
         .map_or(0, |l| l.requests_per_unit);
+    // Envoy's DRAFT_VERSION_03 form: the closest limit, then one policy per limit. Written into
+    // one buffer: this runs on every limited request.
+    let mut policy = String::with_capacity(16 + 24 * limited.len());
+    let _ = write!(policy, "{closest_limit}");
+    for r in limited {
+        let Some(limit) = r.status.current_limit.as_ref() else {
+            continue;
+        };
+        let _ = write!(
+            policy,
+            ", {};w={}",
+            limit.requests_per_unit, r.window_seconds
+        );
+        if !limit.name.is_empty() {
+            let _ = write!(policy, ";name=\"{}\"", limit.name);
+        }
+    }
     let mut headers = vec![
-        header(
-            limit_name,
-            format!("{closest_limit}, {}", policies.join(", ")),
-        ),
+        header(limit_name, policy),
         header(remaining_name, closest.status.limit_remaining.to_string()),
         header(reset_name, whole_seconds_up(closest.reset_us).to_string()),
     ];

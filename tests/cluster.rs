@@ -39,6 +39,7 @@ async fn rlsd(
         headers: HeaderStyle::XRatelimit,
         failure_mode,
         shadow_mode: false,
+        limits: Default::default(),
     };
     let (grpc, _http, stop, _task) = spawn_server(CONFIG, store, service).await;
     // The server lives as long as the test; the sender is leaked so it never stops early.

@@ -37,6 +37,7 @@ fn settings() -> ServiceSettings {
         headers: HeaderStyle::XRatelimit,
         failure_mode: FailureMode::Error,
         shadow_mode: false,
+        limits: Default::default(),
     }
 }
 

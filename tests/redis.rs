@@ -59,6 +59,7 @@ impl Rlsd {
             headers: HeaderStyle::XRatelimit,
             failure_mode,
             shadow_mode: false,
+            limits: Default::default(),
         };
         let (grpc, _http, stop, task) = spawn_server(yaml, store, settings).await;
         Rlsd { grpc, stop, task }

@@ -52,6 +52,14 @@ pub fn encode(
 
 /// Appends `text` with the separators, the escape character and hash-tag braces percent-encoded.
 fn escape_into(out: &mut String, text: &str) {
+    // All five are ASCII, so a byte scan finds them; most values have none and copy in one go.
+    if !text
+        .bytes()
+        .any(|b| matches!(b, b'%' | b':' | b'=' | b'{' | b'}'))
+    {
+        out.push_str(text);
+        return;
+    }
     for c in text.chars() {
         match c {
             '%' => out.push_str("%25"),

@@ -102,6 +102,7 @@ impl TestServer {
             headers,
             failure_mode: Default::default(),
             shadow_mode: false,
+            limits: Default::default(),
         };
         TestServer::start_settings(yaml, settings, max_keys).await
     }
