@@ -16,6 +16,7 @@ use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, RequestLimits, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
+use rlsd::store::redis::SentinelTarget;
 use rlsd::store::{ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store};
 use rlsd::tls::{TlsFiles, TlsSettings};
 
@@ -40,6 +41,9 @@ enum RedisMode {
     Single,
     /// A Redis Cluster, reached through seed nodes.
     Cluster,
+    /// The master Redis Sentinel names, followed through failovers; `--redis-url` lists the
+    /// Sentinels.
+    Sentinel,
 }
 
 /// How log lines are written to stderr.
@@ -90,9 +94,13 @@ struct ServeArgs {
     #[arg(long, env = "RLSD_REDIS_URL")]
     redis_url: Option<String>,
     /// `single`: one Redis (or a primary behind a proxy); `cluster`: Redis Cluster, with
-    /// `--redis-url` a comma-separated list of seed nodes.
+    /// `--redis-url` a comma-separated list of seed nodes; `sentinel`: the master that Redis
+    /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
     #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
     redis_mode: RedisMode,
+    /// The master name Sentinel monitors (`--redis-mode sentinel`).
+    #[arg(long, env = "RLSD_REDIS_MASTER_NAME", default_value = "mymaster")]
+    redis_master_name: String,
     /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots).
     #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
     redis_ca: Option<PathBuf>,
@@ -292,6 +300,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 redis.max_batch = args.redis_max_batch.max(1);
                 redis.pipelines = args.redis_pipelines.max(1);
                 redis.ca_file.clone_from(&args.redis_ca);
+                if args.redis_mode == RedisMode::Sentinel {
+                    redis.sentinel = Some(SentinelTarget {
+                        sentinels: url
+                            .split(',')
+                            .map(str::trim)
+                            .filter(|u| !u.is_empty())
+                            .map(str::to_owned)
+                            .collect(),
+                        master_name: args.redis_master_name.clone(),
+                    });
+                }
                 let store = Arc::new(RedisStore::connect(redis).await?);
                 serve_with(store, "redis", config, settings, listeners, tls, &args).await
             }

@@ -9,7 +9,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use arc_swap::ArcSwapOption;
+use redis::AsyncConnectionConfig;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -39,6 +43,17 @@ pub struct RedisSettings {
     pub pipelines: usize,
     /// A PEM file of CA certificates to trust for `rediss://` instead of the built-in roots.
     pub ca_file: Option<std::path::PathBuf>,
+    /// Find the master through Redis Sentinel instead of `url`, following failovers.
+    pub sentinel: Option<SentinelTarget>,
+}
+
+/// Where Redis Sentinel is, and which master it watches.
+#[derive(Clone, Debug)]
+pub struct SentinelTarget {
+    /// Sentinel addresses (`redis://host:26379`).
+    pub sentinels: Vec<String>,
+    /// The monitored master's name (`sentinel monitor <name> ...`).
+    pub master_name: String,
 }
 
 impl RedisSettings {
@@ -52,6 +67,7 @@ impl RedisSettings {
             max_batch: DEFAULT_MAX_BATCH,
             pipelines: DEFAULT_PIPELINES,
             ca_file: None,
+            sentinel: None,
         }
     }
 }
@@ -108,7 +124,7 @@ pub struct RedisStore {
 
 /// The connection and the script: what actually talks to Redis.
 struct RedisCaller {
-    connection: ConnectionManager,
+    link: Link,
     script: redis::Script,
     command_timeout: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
@@ -121,18 +137,27 @@ impl RedisStore {
     /// # Errors
     /// When the URL is invalid.
     pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
-        let client = client(&settings)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(settings.connect_timeout))
-            .set_response_timeout(Some(settings.command_timeout))
-            // Reconnect quickly after an outage; every failed call also triggers a reconnect.
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500))
-            .set_number_of_retries(3);
-        let connection = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|error| StoreError::Config(format!("redis: {error}")))?;
+        let link = match &settings.sentinel {
+            Some(target) => Link::Sentinel(Arc::new(SentinelLink::new(target, &settings)?)),
+            None => {
+                let client = client(&settings)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(settings.connect_timeout))
+                    .set_response_timeout(Some(settings.command_timeout))
+                    // Reconnect quickly after an outage; every failed call also reconnects.
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(Duration::from_millis(500))
+                    .set_number_of_retries(3);
+                let connection = ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(|error| StoreError::Config(format!("redis: {error}")))?;
+                Link::Direct(connection)
+            }
+        };
+        if let Link::Sentinel(sentinel) = &link {
+            sentinel.reconnect().await;
+        }
         let caller = Arc::new(RedisCaller {
-            connection,
+            link,
             script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
             fixed_clock: settings.fixed_clock,
@@ -210,19 +235,116 @@ impl RedisStore {
     }
 }
 
+/// How the store reaches its Redis.
+enum Link {
+    /// One server at a known address; the connection manager reconnects by itself.
+    Direct(ConnectionManager),
+    /// The current master, as Sentinel names it.
+    Sentinel(Arc<SentinelLink>),
+}
+
+/// A connection to the master Sentinel points at, replaced after a failure: a master that died
+/// or was demoted (READONLY) is how a failover shows.
+struct SentinelLink {
+    client: tokio::sync::Mutex<SentinelClient>,
+    current: ArcSwapOption<MultiplexedConnection>,
+    rebuilding: AtomicBool,
+    config: AsyncConnectionConfig,
+    connect_timeout: Duration,
+}
+
+impl SentinelLink {
+    fn new(target: &SentinelTarget, settings: &RedisSettings) -> Result<SentinelLink, StoreError> {
+        let client = SentinelClient::build(
+            target.sentinels.clone(),
+            target.master_name.as_str(),
+            None,
+            SentinelServerType::Master,
+        )
+        .map_err(|error| {
+            StoreError::Config(format!("invalid redis sentinel addresses: {error}"))
+        })?;
+        Ok(SentinelLink {
+            client: tokio::sync::Mutex::new(client),
+            current: ArcSwapOption::empty(),
+            rebuilding: AtomicBool::new(false),
+            config: AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(settings.connect_timeout))
+                .set_response_timeout(Some(settings.command_timeout)),
+            connect_timeout: settings.connect_timeout,
+        })
+    }
+
+    /// Asks Sentinel for the master and connects to it.
+    async fn reconnect(&self) {
+        let mut client = self.client.lock().await;
+        let connect = client.get_async_connection_with_config(&self.config);
+        match tokio::time::timeout(self.connect_timeout, connect).await {
+            Ok(Ok(connection)) => {
+                self.current.store(Some(Arc::new(connection)));
+                tracing::info!("redis sentinel: connected to the current master");
+            }
+            Ok(Err(error)) => tracing::warn!(%error, "redis sentinel: cannot reach the master"),
+            Err(_) => tracing::warn!("redis sentinel: master lookup timed out"),
+        }
+    }
+
+    /// Reconnects in the background, one attempt at a time, at most every 200 ms.
+    fn reconnect_later(self: &Arc<Self>) {
+        if self.rebuilding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let link = Arc::clone(self);
+        tokio::spawn(async move {
+            link.reconnect().await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            link.rebuilding.store(false, Ordering::Release);
+        });
+    }
+}
+
+/// Runs `$call` on the link's connection (bound to `$connection`); a Sentinel link reconnects
+/// after a failure.
+macro_rules! on_link {
+    ($caller:expr, |$connection:ident| $call:expr) => {
+        match &$caller.link {
+            Link::Direct(connection) => {
+                let mut $connection = connection.clone();
+                $call.await
+            }
+            Link::Sentinel(link) => match link.current.load_full() {
+                Some(connection) => {
+                    let mut $connection = MultiplexedConnection::clone(&connection);
+                    let result = $call.await;
+                    if result.is_err() {
+                        link.reconnect_later();
+                    }
+                    result
+                }
+                None => {
+                    link.reconnect_later();
+                    Err(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "no connection to the master yet",
+                    )))
+                }
+            },
+        }
+    };
+}
+
 impl RedisCaller {
     async fn load_script(&self) -> Result<String, StoreError> {
-        let mut connection = self.connection.clone();
-        self.script
-            .load_async(&mut connection)
-            .await
+        on_link!(self, |connection| self.script.load_async(&mut connection))
             .map_err(|error| StoreError::Unavailable(error.to_string()))
     }
 
     async fn ping(&self) -> bool {
-        let mut connection = self.connection.clone();
         let command = redis::cmd("PING");
-        let ping = command.query_async::<String>(&mut connection);
+        let ping = async {
+            on_link!(self, |connection| command
+                .query_async::<String>(&mut connection))
+        };
         matches!(
             tokio::time::timeout(self.command_timeout, ping).await,
             Ok(Ok(_))
@@ -233,15 +355,21 @@ impl RedisCaller {
     /// ones see what earlier ones committed.
     async fn evaluate_batch(&self, requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
         let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), requests);
-        let mut connection = self.connection.clone();
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let reply: Vec<i64> = tokio::time::timeout(
-            self.command_timeout,
-            invocation.invoke_async(&mut connection),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.command_timeout))?
-        .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        let call = async {
+            on_link!(self, |connection| invocation
+                .invoke_async::<Vec<i64>>(&mut connection))
+        };
+        let reply: Vec<i64> = tokio::time::timeout(self.command_timeout, call)
+            .await
+            .map_err(|_| {
+                // A master that stopped answering may have been replaced.
+                if let Link::Sentinel(link) = &self.link {
+                    link.reconnect_later();
+                }
+                StoreError::Timeout(self.command_timeout)
+            })?
+            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
         split_reply(&reply, requests)
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod redis;
+pub mod sentinel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
