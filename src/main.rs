@@ -17,7 +17,9 @@ use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, RequestLimits, ServiceSettings};
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
 use rlsd::store::redis::SentinelTarget;
-use rlsd::store::{ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd::store::{
+    ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings, RedisStore, Store,
+};
 use rlsd::tls::{TlsFiles, TlsSettings};
 
 /// A rate limit service for Envoy.
@@ -98,6 +100,10 @@ struct ServeArgs {
     /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
     #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
     redis_mode: RedisMode,
+    /// Denied keys remembered in process, so a key known to stay over its limit until T is
+    /// denied until T without a Redis round trip (0: off).
+    #[arg(long, env = "RLSD_OVER_LIMIT_CACHE", default_value_t = 100_000)]
+    over_limit_cache: usize,
     /// The master name Sentinel monitors (`--redis-mode sentinel`).
     #[arg(long, env = "RLSD_REDIS_MASTER_NAME", default_value = "mymaster")]
     redis_master_name: String,
@@ -281,7 +287,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let mut cluster = ClusterSettings::new(nodes);
                 cluster.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
                 cluster.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
-                let store = Arc::new(ClusterStore::connect(cluster).await?);
+                let store = ClusterStore::connect(cluster).await?;
+                let store = Arc::new(OverLimitCache::new(store, args.over_limit_cache));
                 serve_with(
                     store,
                     "redis-cluster",
@@ -311,7 +318,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                         master_name: args.redis_master_name.clone(),
                     });
                 }
-                let store = Arc::new(RedisStore::connect(redis).await?);
+                let store = RedisStore::connect(redis).await?;
+                let store = Arc::new(OverLimitCache::new(store, args.over_limit_cache));
                 serve_with(store, "redis", config, settings, listeners, tls, &args).await
             }
             None => {

@@ -76,6 +76,8 @@ pub struct Metrics {
     pub memory_capacity: IntGauge,
     /// Requests the in-process store refused because it was full.
     pub memory_full_rejections: IntGauge,
+    /// Requests denied by the local over-limit cache without a store round trip.
+    pub over_limit_cache_hits: IntCounter,
 }
 
 fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -206,6 +208,11 @@ impl Metrics {
                 r,
                 "rlsd_memory_store_full_rejections",
                 "Requests refused because the in-process store was full",
+            ),
+            over_limit_cache_hits: counter(
+                r,
+                "rlsd_over_limit_cache_hits_total",
+                "Requests denied from the local over-limit cache, without a store round trip",
             ),
             registry,
         }

@@ -73,16 +73,17 @@ impl Reloader {
             Ok(loaded) => {
                 let domains = loaded.domains.len();
                 self.config.store(Arc::new(loaded));
-                self.metrics.config_load_success.inc();
                 tracing::info!(path = %self.path.display(), domains, "config reloaded");
+                self.metrics.config_load_success.inc();
                 Reload::Swapped { domains }
             }
             Err(errors) => {
-                self.metrics.config_load_error.inc();
+                // Logged before it is counted, so whoever sees the count finds the reason.
                 tracing::warn!(
                     path = %self.path.display(),
                     "config reload rejected, keeping the previous config:\n{errors}"
                 );
+                self.metrics.config_load_error.inc();
                 Reload::Rejected(errors)
             }
         }
