@@ -280,15 +280,7 @@ impl<S: Store> RateLimiter<S> {
                         quota: None,
                     }
                 }
-                Decision::Unlimited => DescriptorStatus {
-                    code: Code::Ok.into(),
-                    limit_remaining: u32::MAX,
-                    ..Default::default()
-                },
-                _ => DescriptorStatus {
-                    code: Code::Ok.into(),
-                    ..Default::default()
-                },
+                other => uncounted_status(other),
             })
             .collect();
         Ok(pb::RateLimitResponse {
@@ -491,6 +483,20 @@ fn wire_limit(limit: &crate::limit::Limit) -> RateLimit {
     }
 }
 
+/// The status of a descriptor no store check decided: OK, and for `unlimited` the most
+/// remaining there is (as envoyproxy/ratelimit answers).
+fn uncounted_status(decision: &Decision) -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok.into(),
+        limit_remaining: if *decision == Decision::Unlimited {
+            u32::MAX
+        } else {
+            0
+        },
+        ..Default::default()
+    }
+}
+
 /// A descriptor status with the limit that decided it, kept for the headers.
 struct Reported {
     status: DescriptorStatus,
@@ -514,15 +520,7 @@ fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::
         .zip(&reported)
         .map(|(decision, reported)| match (decision, reported) {
             (_, Some(reported)) => reported.status.clone(),
-            (Decision::Unlimited, None) => DescriptorStatus {
-                code: Code::Ok.into(),
-                limit_remaining: u32::MAX,
-                ..Default::default()
-            },
-            _ => DescriptorStatus {
-                code: Code::Ok.into(),
-                ..Default::default()
-            },
+            (other, None) => uncounted_status(other),
         })
         .collect();
     let over = statuses
