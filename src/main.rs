@@ -79,7 +79,7 @@ struct ServeArgs {
     /// gRPC listen address (Envoy's `rate_limit_service`).
     #[arg(long, env = "RLSD_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
-    /// Admin HTTP listen address (`/healthcheck`, `/rlconfig`).
+    /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
     /// Most keys the in-process store holds; requests needing more get UNAVAILABLE.
