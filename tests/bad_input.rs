@@ -340,3 +340,77 @@ async fn the_json_endpoint_applies_the_same_limits() {
     assert_eq!(remaining_after_hit(&server, "ann").await, 2);
     server.stop().await;
 }
+
+/// Kills the spawned `rlsd` when the test ends, however it ends.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_binary_takes_limits_from_flags_and_environment() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("free port")
+    };
+    let (grpc, http) = (free(), free());
+    let _child = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"))
+            .args(["serve", "--config", "examples/three-layer.yaml"])
+            .args(["--max-entries", "2", "--max-message-bytes", "300"])
+            .env("RLSD_GRPC_ADDR", grpc.to_string())
+            .env("RLSD_HTTP_ADDR", http.to_string())
+            .env("RLSD_MAX_HITS_ADDEND", "5")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn rlsd"),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut client = loop {
+        if let Ok(client) =
+            rlsd::pb::RateLimitServiceClient::connect(format!("http://{grpc}")).await
+        {
+            break client;
+        }
+        assert!(std::time::Instant::now() < deadline, "rlsd did not come up");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let mut ask = async |req: RateLimitRequest| {
+        client
+            .should_rate_limit(req)
+            .await
+            .map(tonic::Response::into_inner)
+    };
+    let edge = || descriptor(&[("remote_address", "10.0.0.1")]);
+
+    let three = request("edge-proxy", vec![entries(3)]);
+    let status = ask(three).await.expect_err("3 entries");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        status.message(),
+        "descriptor 0 has 3 entries; at most 2 are allowed (--max-entries)"
+    );
+
+    let mut six = request("edge-proxy", vec![edge()]);
+    six.hits_addend = 6;
+    let status = ask(six).await.expect_err("hits 6");
+    assert_eq!(
+        status.message(),
+        "request hits_addend is 6; at most 5 is allowed (--max-hits-addend)"
+    );
+
+    let status = ask(of_size(301, false)).await.expect_err("301 bytes");
+    assert_eq!(status.code(), tonic::Code::OutOfRange);
+    assert!(status.message().contains("the limit is: 300 bytes"));
+
+    let mut five = request("edge-proxy", vec![edge()]);
+    five.hits_addend = 5;
+    let answered = ask(five).await.expect("at every bound");
+    assert_eq!(answered.statuses[0].limit_remaining, 995);
+    ask(of_size(300, false)).await.expect("300 bytes");
+}

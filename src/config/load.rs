@@ -176,8 +176,26 @@ struct Loaded {
     result: Result<Domain, Vec<ConfigError>>,
 }
 
-/// Parses and validates one file.
+/// Stack for parsing and walking a file: both recurse once per nesting level (serde-saphyr stops
+/// at 64), which overflows a 2 MiB thread stack in debug builds long before that.
+const LOAD_STACK_BYTES: usize = 64 * 1024 * 1024;
+
+/// Parses and validates one file, on a thread with a stack deep enough for any nesting the
+/// parser accepts, so a deeply nested file is an error and never a crash.
 fn load_file(file: &str, text: &str) -> Loaded {
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("rlsd-config".to_owned())
+            .stack_size(LOAD_STACK_BYTES)
+            .spawn_scoped(scope, || load_file_here(file, text))
+            .ok()
+            .and_then(|loading| loading.join().ok())
+    })
+    // Without a thread (none could be spawned, or it panicked), load here.
+    .unwrap_or_else(|| load_file_here(file, text))
+}
+
+fn load_file_here(file: &str, text: &str) -> Loaded {
     let root = match yaml::parse(text) {
         Ok(root) => root,
         Err(error) => {

@@ -1549,3 +1549,26 @@ fn plans_naming_plans_without_descriptors_are_errors() {
             .any(|r| r.contains("plan 'gold' has no top-level descriptor"))
     );
 }
+
+#[test]
+fn deeply_nested_descriptors_are_an_error_not_a_crash() {
+    let mut yaml = String::from("domain: d\ndescriptors:\n");
+    for depth in 0..60 {
+        let indent = "  ".repeat(depth * 2);
+        yaml.push_str(&format!(
+            "{indent}- key: k{depth}\n{indent}  descriptors:\n"
+        ));
+    }
+    // A 2 MiB thread, as tokio's blocking pool and the default test threads have.
+    let loaded = std::thread::Builder::new()
+        .stack_size(2 * 1024 * 1024)
+        .spawn(move || load_str("deep.yaml", &yaml).map(|_| ()))
+        .expect("thread")
+        .join()
+        .expect("no stack overflow");
+    let errors = loaded.expect_err("deeper than the parser allows");
+    assert!(
+        errors.iter().all(|e| e.line >= 1 && !e.reason.is_empty()),
+        "{errors:?}"
+    );
+}
