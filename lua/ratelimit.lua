@@ -385,13 +385,17 @@ local function store(c, key, st, ttl, now)
       if newest_ts and add.ts == newest_ts then
         first = newest_k + 1
       end
-      local args = {}
-      for k = first, first + add.count - 1 do
-        args[#args + 1] = fmt(add.ts)
-        args[#args + 1] = string.format('%d:%010d', add.ts, k)
+      -- In chunks: Lua's unpack has a stack limit (about 8000 values). The config caps a log
+      -- at 100 000 entries, which bounds add.count.
+      local last = first + add.count - 1
+      for from = first, last, 500 do
+        local args = {}
+        for k = from, math.min(from + 499, last) do
+          args[#args + 1] = fmt(add.ts)
+          args[#args + 1] = string.format('%d:%010d', add.ts, k)
+        end
+        redis.call('ZADD', key, unpack(args))
       end
-      -- ZADD takes up to a few thousand members per call comfortably; L bounds add.count.
-      redis.call('ZADD', key, unpack(args))
       newest_ts, newest_k = add.ts, first + add.count - 1
     end
     redis.call('PEXPIRE', key, ttl)

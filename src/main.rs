@@ -287,8 +287,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let mut cluster = ClusterSettings::new(nodes);
                 cluster.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
                 cluster.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
-                let store = ClusterStore::connect(cluster).await?;
-                let store = Arc::new(OverLimitCache::new(store, args.over_limit_cache));
+                // No over-limit cache here: the cluster store refunds cross-slot denials, so quota
+                // can come back before a denial's reset, which the cache's exactness relies on.
+                let store = Arc::new(ClusterStore::connect(cluster).await?);
                 serve_with(
                     store,
                     "redis-cluster",

@@ -239,6 +239,46 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
 
 /// Keys allowed at the top of a file.
 const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors"];
+/// The longest period a limit may have: ten years keeps every microsecond sum well inside what
+/// Lua's doubles (and so the Redis store) count exactly.
+const MAX_PERIOD_SECONDS: u64 = 10 * 365 * 86_400;
+/// The largest sliding log: it stores one entry per hit, so its memory and write cost grow with L.
+const MAX_SLIDING_LOG_LIMIT: u32 = 100_000;
+/// Longest GCRA burst tolerance `(B - 1) * P / L`, in microseconds (ten years), for the same
+/// reason as the period.
+const MAX_GCRA_TOLERANCE_US: u128 = MAX_PERIOD_SECONDS as u128 * 1_000_000;
+
+/// Why a limit's numbers are too large to decide exactly, if they are.
+fn magnitude_problem(
+    algorithm: Algorithm,
+    limit: u32,
+    burst: Option<NonZeroU32>,
+    period: Period,
+) -> Option<String> {
+    let seconds = period.unit.seconds() * u64::from(period.multiplier.get());
+    if seconds > MAX_PERIOD_SECONDS {
+        return Some(format!(
+            "the period ({seconds} s) is longer than ten years; use a smaller unit_multiplier"
+        ));
+    }
+    if algorithm == Algorithm::SlidingWindowLog && limit > MAX_SLIDING_LOG_LIMIT {
+        return Some(format!(
+            "sliding_window_log keeps one entry per hit: requests_per_unit {limit} is above {MAX_SLIDING_LOG_LIMIT}; \
+             use sliding_window_counter for large limits"
+        ));
+    }
+    if algorithm == Algorithm::Gcra && limit > 0 {
+        let burst = u128::from(burst.map_or(1, NonZeroU32::get));
+        let tolerance = (burst - 1) * u128::from(seconds) * 1_000_000 / u128::from(limit);
+        if tolerance > MAX_GCRA_TOLERANCE_US {
+            return Some(format!(
+                "gcra burst {burst} at {limit} per {seconds} s tolerates more than ten years of requests; lower the burst"
+            ));
+        }
+    }
+    None
+}
+
 /// Keys allowed in `plans:`.
 const PLANS_KEYS: &[&str] = &["from", "entry", "default", "keys"];
 /// Keys allowed in a descriptor.
@@ -914,6 +954,11 @@ impl Walker<'_> {
         else {
             return None;
         };
+        let period = Period { unit, multiplier };
+        if let Some(reason) = magnitude_problem(algorithm, requests_per_unit, burst, period) {
+            self.error(at, reason);
+            return None;
+        }
         Some(ParsedLimit {
             limit: Some(Limit {
                 name: name.clone(),

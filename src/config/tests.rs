@@ -1572,3 +1572,29 @@ fn deeply_nested_descriptors_are_an_error_not_a_crash() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn limits_too_large_to_decide_exactly_are_errors() {
+    let errors = errors(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: {unit: year, unit_multiplier: 11, requests_per_unit: 1}
+          - key: b
+            rate_limit: {unit: second, requests_per_unit: 100001, algorithm: sliding_window_log}
+          - key: c
+            rate_limit: {unit: year, requests_per_unit: 1, algorithm: gcra, burst: 20}
+          - key: ok
+            rate_limit: {unit: year, unit_multiplier: 10, requests_per_unit: 100000, algorithm: sliding_window_log}
+        ",
+    );
+    let reasons: Vec<&str> = errors.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(errors.len(), 3, "{reasons:?}");
+    assert!(reasons[0].contains("longer than ten years"), "{reasons:?}");
+    assert!(
+        reasons[1].contains("sliding_window_log keeps one entry per hit"),
+        "{reasons:?}"
+    );
+    assert!(reasons[2].contains("gcra burst 20"), "{reasons:?}");
+}

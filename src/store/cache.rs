@@ -109,7 +109,9 @@ impl<S: Store, C: Clock> OverLimitCache<S, C> {
     }
 
     fn remember(&self, check: &Check, want: u64, verdict: &Verdict, start: u64) {
-        let until = start.saturating_add(verdict.reset_us);
+        // The store rounds reset up to a whole millisecond: take that back off, so the entry
+        // ends no later than the store's own answer would change.
+        let until = start.saturating_add(verdict.reset_us.saturating_sub(1_000));
         let mut shard = self
             .shard(&check.key)
             .lock()
@@ -206,6 +208,12 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
             }
         }
         let outcomes = self.inner.decide(checks).await?;
+        for check in checks {
+            // Again after the call: a denial cached by a request that raced this refund is stale.
+            if matches!(check.hits, Hits::Refund(_)) {
+                self.forget(&check.key);
+            }
+        }
         for ((check, outcome), want) in checks.iter().zip(&outcomes).zip(&wants) {
             if let (false, false, Some(want)) = (outcome.verdict.allowed, check.shadow, want) {
                 self.remember(check, *want, &outcome.verdict, now);

@@ -3,13 +3,17 @@
 //!
 //! # Guarantee
 //! Each slot group is decided atomically, all or nothing, exactly like the single-Redis store.
-//! Across slots a request is all or nothing **eventually**: every group commits only if its own
-//! limits pass, and if any group denies, the groups that committed are refunded before the
-//! answer goes out. Between a group's commit and its refund (one round trip) that quota is
-//! held: another request on the same key may be denied in that window (under-admission), and
-//! never admitted beyond its limit (no over-admission). If a refund itself fails (a node dies
-//! mid-request), those hits stay counted until the window passes: counted, never lost, and
-//! never more than the hits of that one request. Refunds that fail are logged.
+//! Across slots a request is all or nothing **once its answer goes out**: every group commits
+//! only if its own limits pass, and if any group denies (or fails), the groups that committed
+//! are refunded before the answer is sent. Between a group's commit and its refund (one round
+//! trip) that quota is held, so another request on the same key may be denied meanwhile
+//! (under-admission). A refund is applied to the state it finds, so it is exact unless a window
+//! edge passes in that round trip (then the refunded hits land in the new window: at most that
+//! one request's hits are over-admitted) or a concurrent request's newer log entries are the
+//! ones removed (same count, so the window holds the same number). If a refund itself fails
+//! those hits stay counted until their window passes: never more than one request's hits, and
+//! logged. A denied cross-slot request takes two round trips (three when it gives hits back),
+//! each bounded by the command timeout.
 //!
 //! # Keys
 //! Keys carry no hash tag (request values are escaped, so none can plant one): each limit's
@@ -267,17 +271,19 @@ impl Store for ClusterStore {
 
         let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
         let mut failure = None;
-        let mut committed = Vec::new();
+        // Each committed group with its own answers, so it can be refunded even when another
+        // group failed outright.
+        let mut committed: Vec<(usize, Vec<Outcome>)> = Vec::new();
         for (group_index, ((group, members), answer)) in
             group_checks.iter().zip(&groups).zip(answers).enumerate()
         {
             match answer {
                 Ok(answer) => {
-                    if request_allowed(group, &answer) {
-                        committed.push(group_index);
+                    for ((index, _), outcome) in members.iter().zip(&answer) {
+                        outcomes[*index] = Some(*outcome);
                     }
-                    for ((index, _), outcome) in members.iter().zip(answer) {
-                        outcomes[*index] = Some(outcome);
+                    if request_allowed(group, &answer) {
+                        committed.push((group_index, answer));
                     }
                 }
                 Err(error) => failure = Some(error),
@@ -292,21 +298,10 @@ impl Store for ClusterStore {
             // All or nothing across slots: give back what the passing groups took.
             let refunds: Vec<Vec<Check>> = committed
                 .iter()
-                .filter_map(|&group| {
-                    let answers: Option<Vec<Outcome>> = groups[group]
-                        .iter()
-                        .map(|(index, _)| outcomes.as_ref().map(|o| o[*index]))
-                        .collect();
-                    Some(refunds(&group_checks[group], &answers?))
-                })
+                .map(|(group, answer)| refunds(&group_checks[*group], answer))
+                .filter(|refund| !refund.is_empty())
                 .collect();
-            let results = join_all(
-                refunds
-                    .iter()
-                    .filter(|r| !r.is_empty())
-                    .map(|r| self.call(r)),
-            )
-            .await;
+            let results = join_all(refunds.iter().map(|refund| self.call(refund))).await;
             for result in results {
                 if let Err(error) = result {
                     tracing::warn!(%error, "redis cluster: refund of a denied request failed; its hits stay counted");
@@ -321,8 +316,8 @@ impl Store for ClusterStore {
         if denied {
             // The refunded groups took nothing in the end: report what they still have (groups
             // that denied already report it).
-            for &group in &committed {
-                for (index, check) in &groups[group] {
+            for (group, _) in &committed {
+                for (index, check) in &groups[*group] {
                     let outcome = &mut outcomes[*index];
                     if let (true, Hits::Take(n)) = (outcome.verdict.allowed, check.hits) {
                         outcome.verdict.remaining += n;

@@ -111,6 +111,9 @@ fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
 /// Default bound on requests per coalesced EVALSHA.
 pub const DEFAULT_MAX_BATCH: usize = 64;
 
+/// Most checks in one coalesced EVALSHA, however few requests carry them.
+const MAX_BATCH_CHECKS: usize = 256;
+
 /// Default number of coalesced calls in flight at once.
 pub const DEFAULT_PIPELINES: usize = 4;
 
@@ -443,10 +446,15 @@ async fn run_batches(
             let Some(first) = queue.recv().await else {
                 return;
             };
+            let mut checks = first.checks.len();
             jobs.push(first);
-            while jobs.len() < max_batch {
+            // Bounded by requests and by checks, so one call stays short for Redis.
+            while jobs.len() < max_batch && checks < MAX_BATCH_CHECKS {
                 match queue.try_recv() {
-                    Ok(job) => jobs.push(job),
+                    Ok(job) => {
+                        checks += job.checks.len();
+                        jobs.push(job);
+                    }
                     Err(_) => break,
                 }
             }
