@@ -165,7 +165,12 @@ local function sliding_log(c, st, now, want, take)
     if live_newest and (now < p or live_newest > now - p) then
       reset = max(0, live_newest + p - now)
     end
-    return true, l - n - take, reset, new, p + SLACK
+    -- State ahead of a clock that stepped back lives as long as it matters.
+    local ahead = 0
+    if live_newest then
+      ahead = max(0, live_newest - now)
+    end
+    return true, l - n - take, reset, new, p + SLACK + ahead
   end
   local ts = log_nth_oldest_ts(st, n + want - l)
   return false, max(0, l - n), max(0, ts + p - now)
@@ -208,10 +213,9 @@ local function sliding_now(c, st, now)
   return now, window, 0, 0
 end
 
-local function sliding_counter(c, st, now, want, take)
+local function sliding_counter(c, st, clock_now, want, take)
   local l, p = c.l, c.p
-  local window, current, previous
-  now, window, current, previous = sliding_now(c, st, now)
+  local now, window, current, previous = sliding_now(c, st, clock_now)
   local elapsed = now - window * p
   local weight = (p - elapsed) / p
   local estimate = previous * weight + current
@@ -225,7 +229,7 @@ local function sliding_counter(c, st, now, want, take)
       reset = window_end - now
     end
     return true, floor(l - estimate - take), reset,
-      { window = window, current = current, previous = previous }, 2 * p + SLACK
+      { window = window, current = current, previous = previous }, 2 * p + SLACK + (now - clock_now)
   end
   local reset = max(1, sliding_counter_wait(l, p, now, window, current, previous, want))
   return false, floor(max(0, l - estimate)), reset
@@ -252,7 +256,7 @@ local function token_bucket(c, st, now, want, take)
     tokens = tokens - take
     local missing = max(0, c.b - tokens)
     return true, floor(tokens), ceil(missing * rate_inverse),
-      { tokens = tokens, updated = updated }, bucket_ttl(c, tokens)
+      { tokens = tokens, updated = updated }, bucket_ttl(c, tokens) + max(0, updated - now)
   end
   return false, floor(tokens), ceil((want - tokens) * rate_inverse)
 end
@@ -299,14 +303,19 @@ local function refunded(c, st, now, n)
       end
     end
     new.removed = min(new.stored, new.removed + left)
-    return new, p + SLACK
+    local newest = log_newest(new)
+    local ahead = 0
+    if newest then
+      ahead = max(0, newest - now)
+    end
+    return new, p + SLACK + ahead
   elseif c.alg == 'swc' then
-    local _, window, current, previous = sliding_now(c, st, now)
-    return { window = window, current = max(0, current - n), previous = previous }, 2 * p + SLACK
+    local at, window, current, previous = sliding_now(c, st, now)
+    return { window = window, current = max(0, current - n), previous = previous }, 2 * p + SLACK + (at - now)
   elseif c.alg == 'tb' then
     local tokens, updated = refilled_bucket(c, st, now)
     tokens = min(tokens + n, c.b)
-    return { tokens = tokens, updated = updated }, bucket_ttl(c, tokens)
+    return { tokens = tokens, updated = updated }, bucket_ttl(c, tokens) + max(0, updated - now)
   else
     local tat = max(max(0, st.tat - n * emission_interval(c)), now)
     return { tat = tat }, tat - now + SLACK

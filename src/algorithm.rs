@@ -240,21 +240,23 @@ fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Up
                     entries.pop_back();
                 }
             }
+            // State ahead of a clock that stepped back lives as long as it matters.
+            let ahead = entries.back().map_or(0, |(ts, _)| ts.saturating_sub(now));
             Update {
                 state: State::Log { entries },
-                ttl_us: p + EXPIRY_SLACK_US,
+                ttl_us: p + EXPIRY_SLACK_US + ahead,
             }
         }
         State::Sliding { .. } => {
             // Hits come back to the current window, after rolling the state forward to now.
-            let (_, window, current, previous) = sliding_now(params, Some(state), now);
+            let (at, window, current, previous) = sliding_now(params, Some(state), now);
             Update {
                 state: State::Sliding {
                     window,
                     current: current.saturating_sub(n),
                     previous,
                 },
-                ttl_us: 2 * p + EXPIRY_SLACK_US,
+                ttl_us: 2 * p + EXPIRY_SLACK_US + (at - now),
             }
         }
         State::Bucket { .. } => {
@@ -263,7 +265,7 @@ fn refunded_state(params: &Params, state: &State, now: u64, n: u64) -> Option<Up
             let tokens = (tokens + n as f64).min(burst);
             Update {
                 state: State::Bucket { tokens, updated },
-                ttl_us: bucket_ttl(params, tokens),
+                ttl_us: bucket_ttl(params, tokens) + updated.saturating_sub(now),
             }
         }
         State::Gcra { tat } => {
@@ -355,6 +357,7 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
         let reset = kept
             .back()
             .map_or(0, |(ts, _)| (ts + p).saturating_sub(now));
+        let ahead = kept.back().map_or(0, |(ts, _)| ts.saturating_sub(now));
         Raw {
             verdict: Verdict {
                 allowed: true,
@@ -363,7 +366,7 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
             },
             update: Some(Update {
                 state: State::Log { entries: kept },
-                ttl_us: p + EXPIRY_SLACK_US,
+                ttl_us: p + EXPIRY_SLACK_US + ahead,
             }),
         }
     } else {
@@ -411,9 +414,15 @@ fn sliding_now(params: &Params, state: Option<&State>, now: u64) -> (u64, u64, u
     }
 }
 
-fn sliding_counter(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+fn sliding_counter(
+    params: &Params,
+    state: Option<&State>,
+    clock_now: u64,
+    want: u64,
+    take: u64,
+) -> Raw {
     let (l, p) = (params.limit, params.period_us);
-    let (now, window, current, previous) = sliding_now(params, state, now);
+    let (now, window, current, previous) = sliding_now(params, state, clock_now);
     let elapsed = now - window * p;
     let (lf, pf) = (l as f64, p as f64);
     let weight = (pf - elapsed as f64) / pf;
@@ -440,7 +449,7 @@ fn sliding_counter(params: &Params, state: Option<&State>, now: u64, want: u64, 
                     current,
                     previous,
                 },
-                ttl_us: 2 * p + EXPIRY_SLACK_US,
+                ttl_us: 2 * p + EXPIRY_SLACK_US + (now - clock_now),
             }),
         }
     } else {
@@ -523,7 +532,7 @@ fn token_bucket(params: &Params, state: Option<&State>, now: u64, want: u64, tak
             },
             update: Some(Update {
                 state: State::Bucket { tokens, updated },
-                ttl_us: bucket_ttl(params, tokens),
+                ttl_us: bucket_ttl(params, tokens) + updated.saturating_sub(now),
             }),
         }
     } else {

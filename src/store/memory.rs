@@ -51,6 +51,8 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     capacity: usize,
     full_rejections: AtomicU64,
     full_reported: AtomicBool,
+    /// When a refused request last swept the whole store (µs).
+    last_full_sweep: AtomicU64,
 }
 
 impl MemoryStore<SystemClock> {
@@ -71,6 +73,7 @@ impl<C: Clock> MemoryStore<C> {
             capacity,
             full_rejections: AtomicU64::new(0),
             full_reported: AtomicBool::new(false),
+            last_full_sweep: AtomicU64::new(0),
         }
     }
 
@@ -118,11 +121,24 @@ impl<C: Clock> MemoryStore<C> {
     fn decide_now(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         match self.try_decide(checks) {
             // Expired keys may sit in shards this request did not lock: reclaim them all
-            // (holding no lock, so lock order is kept) and try once more.
-            Err(StoreError::Full { .. }) if self.purge_expired() > 0 => self.try_decide(checks),
+            // (holding no lock, so lock order is kept) and try once more. At most every 100 ms,
+            // so a store kept full does not pay a full sweep per refused request.
+            Err(StoreError::Full { .. }) if self.sweep_allowed() && self.purge_expired() > 0 => {
+                self.try_decide(checks)
+            }
             result => result,
         }
         .inspect_err(|_| self.report_full())
+    }
+
+    fn sweep_allowed(&self) -> bool {
+        let now = self.clock.now_us();
+        let last = self.last_full_sweep.load(Ordering::Relaxed);
+        now.saturating_sub(last) >= 100_000
+            && self
+                .last_full_sweep
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     fn report_full(&self) {

@@ -190,3 +190,47 @@ async fn a_full_store_reclaims_expired_keys_before_refusing() {
         .expect("expired key a makes room without a sweep");
     assert_eq!(store.stats().live_keys, 1);
 }
+
+#[tokio::test]
+async fn state_written_while_the_clock_is_behind_does_not_expire_early() {
+    for algorithm in [
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::TokenBucket,
+    ] {
+        let clock = ManualClock::at(130 * S);
+        let store = MemoryStore::with_clock(100, clock.clone());
+        let c = check("k", algorithm, 2, Hits::Take(1));
+        assert!(
+            store
+                .decide(std::slice::from_ref(&c))
+                .await
+                .expect("decide")[0]
+                .verdict
+                .allowed
+        );
+        // The clock steps back 90 s; a second hit is written from there.
+        clock.set(40 * S);
+        assert!(
+            store
+                .decide(std::slice::from_ref(&c))
+                .await
+                .expect("decide")[0]
+                .verdict
+                .allowed,
+            "{algorithm}"
+        );
+        // Past a TTL counted from the stepped-back clock, but not past the state's own time.
+        clock.set(105 * S);
+        store.purge_expired();
+        assert!(
+            !store
+                .decide(std::slice::from_ref(&c))
+                .await
+                .expect("decide")[0]
+                .verdict
+                .allowed,
+            "{algorithm}"
+        );
+    }
+}
