@@ -451,7 +451,8 @@ for _ = 1, tonumber(ARGV[2]) do
     if st == nil then
       st = loaded[key]
     end
-    if st == nil then
+    -- L = 0 denies without reading anything.
+    if st == nil and c.l ~= 0 then
       st = load(key, c.alg, now, c.p)
       loaded[key] = st
     end
