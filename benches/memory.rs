@@ -1,0 +1,200 @@
+//! Memory per live key, for each algorithm: in process (live heap bytes over N keys) and
+//! in Redis (`used_memory` growth over M keys, plus `MEMORY USAGE` of one key), the keys written
+//! through the real stores with the real key layout.
+//!
+//! Run: `cargo bench --bench memory` (`RLSD_BENCH_KEYS`, default 1 000 000 in process;
+//! `RLSD_BENCH_REDIS_KEYS`, default 100 000 in Redis).
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rlsd::algorithm::{Hits, Params};
+use rlsd::limit::Algorithm;
+use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store};
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Counts live heap bytes, so each store's own memory is measured whatever the allocator reuses.
+struct Counting;
+
+static LIVE_BYTES: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: same layout, passed through.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: same pointer and layout, passed through.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn live_bytes() -> isize {
+    LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn check(algorithm: Algorithm, i: usize) -> Check {
+    // The shape of a real key: prefix, layer, domain, algorithm, period, one entry.
+    Check {
+        key: format!(
+            "rlsd:plan:edge-proxy:{}:86400:api_key=key-{i:08}",
+            algorithm.key_tag()
+        ),
+        // A day-long period keeps every key alive (and measured) through the run.
+        params: Params {
+            algorithm,
+            limit: 600,
+            period_us: 86_400_000_000,
+            burst: if algorithm == Algorithm::Gcra {
+                10
+            } else {
+                600
+            },
+        },
+        hits: Hits::Take(1),
+        shadow: false,
+    }
+}
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let waker = std::task::Waker::noop();
+    let mut context = std::task::Context::from_waker(waker);
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+            return value;
+        }
+    }
+}
+
+struct Redis {
+    port: u16,
+    child: Child,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port")
+            .port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        let redis = Redis { port, child };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis.cli(&["PING"]).as_deref() != Some("PONG") {
+            assert!(Instant::now() < deadline, "redis did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        redis
+    }
+
+    fn cli(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    fn used_memory(&self) -> u64 {
+        self.cli(&["INFO", "memory"])
+            .and_then(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("used_memory:")?.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+}
+
+fn main() {
+    let keys = env("RLSD_BENCH_KEYS", 1_000_000);
+    let redis_keys = env("RLSD_BENCH_REDIS_KEYS", 100_000);
+    println!("# memory per live key, written through the real stores (one hit each)");
+    println!();
+    println!(
+        "| algorithm | in process, bytes/key ({keys} keys) | Redis used_memory, bytes/key ({redis_keys} keys) | Redis MEMORY USAGE of one key |"
+    );
+    println!("|---|---|---|---|");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let redis = Redis::start();
+    for algorithm in Algorithm::ALL {
+        let before = live_bytes();
+        let store = MemoryStore::new(keys + 1);
+        for i in 0..keys {
+            block_on(store.decide(&[check(algorithm, i)])).expect("decide");
+        }
+        let in_process = (live_bytes() - before) as f64 / keys as f64;
+        drop(store);
+
+        redis.cli(&["FLUSHALL"]);
+        let before = redis.used_memory();
+        runtime.block_on(async {
+            let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{}", redis.port));
+            settings.command_timeout = Duration::from_secs(5);
+            let store = Arc::new(RedisStore::connect(settings).await.expect("connect"));
+            let workers: Vec<_> = (0..32)
+                .map(|w| {
+                    let store = Arc::clone(&store);
+                    tokio::spawn(async move {
+                        for i in (w..redis_keys).step_by(32) {
+                            store.decide(&[check(algorithm, i)]).await.expect("decide");
+                        }
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.await.expect("worker");
+            }
+        });
+        let in_redis = (redis.used_memory() - before) as f64 / redis_keys as f64;
+        let one = redis
+            .cli(&["MEMORY", "USAGE", &check(algorithm, 0).key])
+            .unwrap_or_default();
+        println!("| {algorithm} | {in_process:.0} | {in_redis:.0} | {one} |");
+    }
+    println!();
+    println!(
+        "In process: live heap bytes held by the store (keys, state, map slack), from a counting allocator. Redis: growth of used_memory after FLUSHALL."
+    );
+}
