@@ -146,7 +146,8 @@ descriptors:
       - key: user
         rate_limit:
           unit: second
-          requests_per_unit: 4000000000
+          # The config caps sliding logs at 100 000 entries; past that the cases measure denials.
+          requests_per_unit: 100000
           algorithm: sliding_window_log
   - key: algorithm
     value: sliding_window_counter
@@ -379,6 +380,16 @@ fn three_layer(domain: &str, ip: &str, api_key: &str) -> Request {
             descriptor(&[("plan", "pro"), ("api_key", api_key)]),
             descriptor(&[("endpoint", "search"), ("api_key", api_key)]),
         ],
+    )
+}
+
+/// `n` descriptors on the `user` limit, one user each: cost growth with descriptors per request.
+fn user_descriptors(n: usize) -> Request {
+    request(
+        "bench",
+        (0..n)
+            .map(|i| descriptor(&[("user", format!("u{i}").as_str())]))
+            .collect(),
     )
 }
 
@@ -640,6 +651,12 @@ fn main() {
             pipeline(config, budget, unbounded, |_| {
                 three_layer("bench", "10.0.0.1", "key-1")
             })
+        }),
+        Case::new("(f) 1 descriptor [user], hot key", |budget| {
+            pipeline(config, budget, unbounded, |_| user_descriptors(1))
+        }),
+        Case::new("(f) 10 descriptors [user] in one request", |budget| {
+            pipeline(config, budget, unbounded, |_| user_descriptors(10))
         }),
         Case::new("(c) fixed_window [algorithm, user]", |budget| {
             pipeline(config, budget, unbounded, |_| algorithm("fixed_window"))
