@@ -5,10 +5,13 @@
 //! Run: `cargo bench --bench memory` (`RLSD_BENCH_KEYS`, default 1 000 000 in process;
 //! `RLSD_BENCH_REDIS_KEYS`, default 100 000 in Redis).
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use redis_server::Redis;
 use rlsd::algorithm::{Hits, Params};
 use rlsd::limit::Algorithm;
 use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store};
@@ -78,68 +81,6 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
             return value;
         }
-    }
-}
-
-struct Redis {
-    port: u16,
-    child: Child,
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("port")
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server");
-        let redis = Redis { port, child };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while redis.cli(&["PING"]).as_deref() != Some("PONG") {
-            assert!(Instant::now() < deadline, "redis did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        redis
-    }
-
-    fn cli(&self, args: &[&str]) -> Option<String> {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    }
-
-    fn used_memory(&self) -> u64 {
-        self.cli(&["INFO", "memory"])
-            .and_then(|info| {
-                info.lines()
-                    .find_map(|l| l.strip_prefix("used_memory:")?.trim().parse().ok())
-            })
-            .unwrap_or(0)
     }
 }
 

@@ -13,12 +13,16 @@
 //! The servers (rlsd, Redis) and the clients share the machine's cores: read the ratios, not the
 //! absolute figures. Run: `cargo bench --bench redis`.
 
-use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use redis_server::Redis;
 use rlsd::engine::KeySettings;
 use rlsd::pb::rate_limit_descriptor::Entry;
 use rlsd::pb::{RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient};
@@ -48,78 +52,6 @@ fn seconds() -> Duration {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3.0);
     Duration::from_secs_f64(secs)
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
-}
-
-struct Redis {
-    port: u16,
-    child: Child,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server");
-        let redis = Redis { port, child };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while redis.cli(&["PING"]).as_deref() != Some("PONG") {
-            assert!(Instant::now() < deadline, "redis did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        redis
-    }
-
-    fn cli(&self, args: &[&str]) -> Option<String> {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    }
-
-    /// CPU time of the redis-server process so far, in microseconds.
-    fn cpu_us(&self) -> u64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .collect();
-        let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
-            + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-        ticks * 10_000
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// `redis-benchmark` on the entry script with `keys` random keys per call: calls/s.

@@ -1,0 +1,93 @@
+//! A private redis-server for benchmarks, on a free loopback port; killed when dropped.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+/// A redis-server child process.
+pub struct Redis {
+    pub port: u16,
+    child: Child,
+}
+
+impl Redis {
+    /// Starts redis-server and waits until it answers.
+    pub fn start() -> Redis {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        let redis = Redis { port, child };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis.cli(&["PING"]).as_deref() != Some("PONG") {
+            assert!(Instant::now() < deadline, "redis did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        redis
+    }
+
+    /// redis-cli against this server; trimmed stdout if it ran.
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// CPU time of the redis-server process so far, in microseconds.
+    pub fn cpu_us(&self) -> u64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
+            + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        ticks * 10_000
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Redis {
+    /// Redis's `used_memory`, in bytes.
+    pub fn used_memory(&self) -> u64 {
+        self.cli(&["INFO", "memory"])
+            .and_then(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("used_memory:")?.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+}
