@@ -55,7 +55,7 @@ pub struct Metrics {
     shadow_mode: IntCounterVec,
     /// Cached handles by domain, then path: label lookups (and allocations) stay off the
     /// request path once a limit has been seen.
-    limits: RwLock<HashMap<String, HashMap<String, LimitCounters>>>,
+    limits: RwLock<LimitMap<LimitMap<LimitCounters>>>,
     /// `ShouldRateLimit` latency, as the server measures it.
     pub request_duration: Histogram,
     /// Store call latency by store.
@@ -280,6 +280,9 @@ impl Metrics {
         String::from_utf8_lossy(&out).into_owned()
     }
 }
+
+/// Handles by name, hashed with foldhash (cheaper than SipHash on the request path).
+type LimitMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
 
 /// A shared handle.
 pub type SharedMetrics = Arc<Metrics>;

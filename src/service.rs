@@ -1,5 +1,6 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
@@ -140,6 +141,8 @@ pub struct RateLimiter<S> {
     store: Arc<S>,
     settings: ServiceSettings,
     metrics: Arc<Metrics>,
+    /// `store_duration` for this store, looked up once instead of per request.
+    store_duration: prometheus::Histogram,
     /// Whether the last store call failed, so failures and recoveries are logged once.
     store_failing: AtomicBool,
 }
@@ -147,17 +150,20 @@ pub struct RateLimiter<S> {
 impl<S: Store> RateLimiter<S> {
     /// A service answering from the current value of `config`.
     pub fn new(config: Arc<ArcSwap<Config>>, store: Arc<S>, settings: ServiceSettings) -> Self {
+        let metrics = Arc::new(Metrics::new(DEFAULT_NEAR_LIMIT_RATIO));
         RateLimiter {
+            store_duration: store_duration(&metrics, store.as_ref()),
             config,
             store,
             settings,
-            metrics: Arc::new(Metrics::new(DEFAULT_NEAR_LIMIT_RATIO)),
+            metrics,
             store_failing: AtomicBool::new(false),
         }
     }
 
     /// Counts into `metrics` instead of a private registry.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.store_duration = store_duration(&metrics, self.store.as_ref());
         self.metrics = metrics;
         self
     }
@@ -197,10 +203,7 @@ impl<S: Store> RateLimiter<S> {
         }
         let started = Instant::now();
         let decided = self.store.decide(&plan.checks).await;
-        self.metrics
-            .store_duration
-            .with_label_values(&[self.store.name()])
-            .observe(started.elapsed().as_secs_f64());
+        self.store_duration.observe(started.elapsed().as_secs_f64());
         match decided {
             Ok(outcomes) => {
                 if self.store_failing.swap(false, Ordering::Relaxed) {
@@ -221,10 +224,12 @@ impl<S: Store> RateLimiter<S> {
             .zip(&plan.limits)
             .zip(outcomes.iter().zip(&plan.descriptor_of))
         {
-            let path = match (planned.path, planned.detailed) {
-                (Some(_), true) => detailed_path(&request.domain, &request.descriptors[descriptor]),
-                (Some(path), false) => path.to_owned(),
-                (None, _) => format!("{}.limit_override", request.domain),
+            let path: Cow<'_, str> = match (planned.path, planned.detailed) {
+                (Some(_), true) => {
+                    detailed_path(&request.domain, &request.descriptors[descriptor]).into()
+                }
+                (Some(path), false) => path.into(),
+                (None, _) => format!("{}.limit_override", request.domain).into(),
             };
             let counters = self.metrics.limit(&request.domain, &path);
             let hits = match check.hits {
@@ -289,6 +294,10 @@ impl<S: Store> RateLimiter<S> {
             ..Default::default()
         })
     }
+}
+
+fn store_duration(metrics: &Metrics, store: &impl Store) -> prometheus::Histogram {
+    metrics.store_duration.with_label_values(&[store.name()])
 }
 
 /// Something that answers `ShouldRateLimit`, without naming its store: what the admin `/json`
@@ -497,36 +506,32 @@ fn uncounted_status(decision: &Decision) -> DescriptorStatus {
     }
 }
 
-/// A descriptor status with the limit that decided it, kept for the headers.
-struct Reported {
-    status: DescriptorStatus,
+/// What the headers need from the limit that reported a descriptor.
+struct Reported<'c> {
+    over: bool,
+    remaining: u32,
     reset_us: u64,
+    requests_per_unit: u32,
     window_seconds: u64,
+    name: Option<&'c str>,
 }
 
 /// Builds the wire response from the plan and the store's outcomes.
 fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::RateLimitResponse {
-    let reported: Vec<Option<Reported>> = plan
-        .decisions
-        .iter()
-        .map(|decision| match decision {
-            Decision::Checks(range) => Some(report(plan, outcomes, range.clone())),
-            Decision::NoLimit | Decision::Unlimited => None,
-        })
-        .collect();
-    let statuses: Vec<DescriptorStatus> = plan
-        .decisions
-        .iter()
-        .zip(&reported)
-        .map(|(decision, reported)| match (decision, reported) {
-            (_, Some(reported)) => reported.status.clone(),
-            (other, None) => uncounted_status(other),
-        })
-        .collect();
-    let over = statuses
-        .iter()
-        .any(|s| s.code == i32::from(Code::OverLimit));
-    let limited: Vec<&Reported> = reported.iter().flatten().collect();
+    let mut statuses = Vec::with_capacity(plan.decisions.len());
+    let mut limited = Vec::with_capacity(plan.decisions.len());
+    for decision in &plan.decisions {
+        match decision {
+            Decision::Checks(range) => {
+                let (status, reported) = report(plan, outcomes, range.clone());
+                statuses.push(status);
+                limited.push(reported);
+            }
+            other => statuses.push(uncounted_status(other)),
+        }
+    }
+    // Statuses no check decided are always OK.
+    let over = limited.iter().any(|r| r.over);
     pb::RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
         statuses,
@@ -537,7 +542,11 @@ fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::
 
 /// Reports the most restrictive of a descriptor's limits: a denying one (the longest wait),
 /// else the one with the least remaining.
-fn report(plan: &Plan<'_>, outcomes: &[Outcome], range: std::ops::Range<usize>) -> Reported {
+fn report<'c>(
+    plan: &Plan<'c>,
+    outcomes: &[Outcome],
+    range: std::ops::Range<usize>,
+) -> (DescriptorStatus, Reported<'c>) {
     let enforced_denial = |i: usize| !outcomes[i].verdict.allowed && !plan.checks[i].shadow;
     let reported = |i: usize| reported_verdict(&outcomes[i].verdict, plan.checks[i].shadow);
     let chosen = range
@@ -546,20 +555,32 @@ fn report(plan: &Plan<'_>, outcomes: &[Outcome], range: std::ops::Range<usize>) 
         .max_by_key(|&i| outcomes[i].verdict.reset_us)
         .or_else(|| range.clone().min_by_key(|&i| reported(i).remaining))
         .unwrap_or(range.start);
-    let limit = &plan.limits[chosen].limit;
+    let planned = &plan.limits[chosen].limit;
+    // Only config limits have names; an override's limit (owned by the plan) has none.
+    let name = match planned {
+        std::borrow::Cow::Borrowed(limit) => limit.name.as_deref(),
+        std::borrow::Cow::Owned(_) => None,
+    };
+    let wire = wire_limit(planned);
     let verdict = reported(chosen);
-    let denied = enforced_denial(chosen);
-    Reported {
-        status: DescriptorStatus {
-            code: if denied { Code::OverLimit } else { Code::Ok }.into(),
-            current_limit: Some(wire_limit(limit)),
-            limit_remaining: u32::try_from(verdict.remaining).unwrap_or(u32::MAX),
-            duration_until_reset: Some(duration(verdict.reset_us)),
-            quota: None,
-        },
+    let over = enforced_denial(chosen);
+    let remaining = u32::try_from(verdict.remaining).unwrap_or(u32::MAX);
+    let reported = Reported {
+        over,
+        remaining,
         reset_us: verdict.reset_us,
-        window_seconds: limit.period.seconds(),
-    }
+        requests_per_unit: wire.requests_per_unit,
+        window_seconds: planned.period.seconds(),
+        name,
+    };
+    let status = DescriptorStatus {
+        code: if over { Code::OverLimit } else { Code::Ok }.into(),
+        current_limit: Some(wire),
+        limit_remaining: remaining,
+        duration_until_reset: Some(duration(verdict.reset_us)),
+        quota: None,
+    };
+    (status, reported)
 }
 
 /// A shadow limit that is over reports remaining 0, like envoyproxy/ratelimit.
@@ -588,7 +609,7 @@ fn whole_seconds_up(us: u64) -> u64 {
 /// Rate limit headers from the status closest to its limit (Envoy's own rule); `Retry-After`
 /// from the longest wait among denials.
 fn rate_limit_headers(
-    limited: &[&Reported],
+    limited: &[Reported<'_>],
     over: bool,
     style: HeaderStyle,
 ) -> Vec<pb::HeaderValue> {
@@ -596,7 +617,7 @@ fn rate_limit_headers(
         style.names(),
         limited
             .iter()
-            .min_by_key(|r| (r.status.limit_remaining, std::cmp::Reverse(r.reset_us))),
+            .min_by_key(|r| (r.remaining, std::cmp::Reverse(r.reset_us))),
     ) else {
         return Vec::new();
     };
@@ -605,37 +626,27 @@ fn rate_limit_headers(
         value,
         raw_value: Vec::new(),
     };
-    let closest_limit = closest
-        .status
-        .current_limit
-        .as_ref()
-        .map_or(0, |l| l.requests_per_unit);
     // Envoy's DRAFT_VERSION_03 form: the closest limit, then one policy per limit. Written into
     // one buffer: this runs on every limited request.
     let mut policy = String::with_capacity(16 + 24 * limited.len());
-    let _ = write!(policy, "{closest_limit}");
+    let _ = write!(policy, "{}", closest.requests_per_unit);
     for r in limited {
-        let Some(limit) = r.status.current_limit.as_ref() else {
-            continue;
-        };
-        let _ = write!(
-            policy,
-            ", {};w={}",
-            limit.requests_per_unit, r.window_seconds
-        );
-        if !limit.name.is_empty() {
-            let _ = write!(policy, ";name=\"{}\"", limit.name);
+        let _ = write!(policy, ", {};w={}", r.requests_per_unit, r.window_seconds);
+        if let Some(name) = r.name.filter(|name| !name.is_empty()) {
+            let _ = write!(policy, ";name=\"{name}\"");
         }
     }
-    let mut headers = vec![
-        header(limit_name, policy),
-        header(remaining_name, closest.status.limit_remaining.to_string()),
-        header(reset_name, whole_seconds_up(closest.reset_us).to_string()),
-    ];
+    let mut headers = Vec::with_capacity(4);
+    headers.push(header(limit_name, policy));
+    headers.push(header(remaining_name, closest.remaining.to_string()));
+    headers.push(header(
+        reset_name,
+        whole_seconds_up(closest.reset_us).to_string(),
+    ));
     if over {
         let wait = limited
             .iter()
-            .filter(|r| r.status.code == i32::from(Code::OverLimit))
+            .filter(|r| r.over)
             .map(|r| r.reset_us)
             .max()
             .unwrap_or(0);

@@ -556,7 +556,7 @@ impl Walker<'_> {
         let from = required(self, "from");
         let entry = required(self, "entry");
         let default = required(self, "default");
-        let mut keys = HashMap::new();
+        let mut keys = crate::config::model::Map::default();
         let mut named = Vec::new();
         if let Some((_, table)) = fields.get("keys") {
             match &table.value {

@@ -4,11 +4,15 @@ use std::collections::HashMap;
 
 use crate::limit::Limit;
 
+/// The maps requests are matched through: foldhash, several times cheaper than SipHash on
+/// these short keys. Requests only look up, never insert, so flooding cannot degrade them.
+pub type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 /// Every domain rlsd knows, by name. Immutable once loaded; a reload builds a new one.
 #[derive(Debug, Default)]
 pub struct Config {
     /// Domains by name.
-    pub domains: HashMap<String, Domain>,
+    pub domains: Map<Domain>,
 }
 
 /// One `domain:` file: the descriptor tree requests of that domain are matched against.
@@ -35,7 +39,7 @@ pub struct PlanTable {
     /// The plan of keys not in `keys`.
     pub default: String,
     /// Plan by key value.
-    pub keys: HashMap<String, String>,
+    pub keys: Map<String>,
 }
 
 impl PlanTable {
@@ -51,14 +55,14 @@ impl PlanTable {
 #[derive(Debug, Default)]
 pub struct Level {
     /// Children keyed by descriptor `key`.
-    pub keys: HashMap<String, KeyNodes>,
+    pub keys: Map<KeyNodes>,
 }
 
 /// The descriptors that share one `key` at one level, in matching priority.
 #[derive(Debug, Default)]
 pub struct KeyNodes {
     /// `value:` given exactly.
-    pub exact: HashMap<String, Node>,
+    pub exact: Map<Node>,
     /// `value:` containing `*`, in config order.
     pub wildcards: Vec<(Wildcard, Node)>,
     /// No `value:`: matches any value.

@@ -6,11 +6,10 @@ pub mod key;
 pub mod matcher;
 
 use std::borrow::Cow;
-use std::collections::HashSet;
 use std::ops::Range;
 
 use crate::algorithm::{Hits, Params};
-use crate::config::{Config, Domain, Policy};
+use crate::config::{Config, Domain, Node, Policy};
 use crate::limit::{Limit, Unit};
 use crate::store::Check;
 
@@ -104,110 +103,120 @@ pub struct Plan<'c> {
 
 /// Matches every descriptor of `request` against `config` and lists the checks to run.
 pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Plan<'c> {
-    let mut plan = Plan {
-        checks: Vec::new(),
-        limits: Vec::new(),
-        descriptor_of: Vec::new(),
-        decisions: Vec::with_capacity(request.descriptors.len()),
-    };
     let Some(domain) = config.domains.get(&request.domain) else {
-        plan.decisions = vec![Decision::NoLimit; request.descriptors.len()];
-        return plan;
+        return Plan {
+            checks: Vec::new(),
+            limits: Vec::new(),
+            descriptor_of: Vec::new(),
+            decisions: vec![Decision::NoLimit; request.descriptors.len()],
+        };
     };
 
-    // The entries each descriptor is matched and keyed by (a lone API key gains its plan).
-    let effective: Vec<Cow<'_, [(String, String)]>> = request
+    // Each descriptor's match, with the entries it is matched and keyed by (a lone API key
+    // gains its plan). Borrowed from the config: nothing per descriptor is allocated here.
+    let matched: Vec<(Entries<'_>, Matched<'c>)> = request
         .descriptors
         .iter()
-        .map(|descriptor| with_plan(domain, &descriptor.entries))
+        .map(|descriptor| {
+            let entries = with_plan(domain, &descriptor.entries);
+            let matched = match descriptor.limit_override {
+                Some(o) => Matched::Override(Limit::fixed(o.requests_per_unit, o.unit)),
+                None => {
+                    match matcher::find(&domain.root, &entries).map(|node| (node, &node.policy)) {
+                        None | Some((_, None)) => Matched::Nothing,
+                        Some((_, Some(Policy::Unlimited { name, replaces }))) => {
+                            Matched::Unlimited(name.as_deref(), replaces)
+                        }
+                        Some((node, Some(Policy::Limits(limits)))) => Matched::Limits(node, limits),
+                    }
+                }
+            };
+            (entries, matched)
+        })
         .collect();
-    let matched: Vec<Matched<'c>> = request
-        .descriptors
-        .iter()
-        .enumerate()
-        .map(|(index, descriptor)| match descriptor.limit_override {
-            Some(o) => Matched::Limits(vec![PlannedLimit {
-                limit: Cow::Owned(Limit::fixed(o.requests_per_unit, o.unit)),
+
+    // Names that some matched limit replaces; few or none, so a list beats a hash set.
+    let mut replaced: Vec<&str> = Vec::new();
+    let mut limit_count = 0;
+    for (_, matched) in &matched {
+        match matched {
+            Matched::Nothing => {}
+            Matched::Override(_) => limit_count += 1,
+            Matched::Unlimited(_, replaces) => {
+                replaced.extend(replaces.iter().map(String::as_str));
+            }
+            Matched::Limits(_, limits) => {
+                limit_count += limits.len();
+                for limit in limits.iter() {
+                    replaced.extend(limit.replaces.iter().map(String::as_str));
+                }
+            }
+        }
+    }
+    let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(&name));
+
+    let mut plan = Plan {
+        checks: Vec::with_capacity(limit_count),
+        limits: Vec::with_capacity(limit_count),
+        descriptor_of: Vec::with_capacity(limit_count),
+        decisions: Vec::with_capacity(request.descriptors.len()),
+    };
+    for (index, (descriptor, (entries, matched))) in
+        request.descriptors.iter().zip(matched).enumerate()
+    {
+        let start = plan.checks.len();
+        let hits = hits_of(descriptor, request.hits_addend);
+        let mut add = |planned: PlannedLimit<'c>| {
+            if is_replaced(planned.limit.name.as_deref()) {
+                return;
+            }
+            plan.checks.push(Check {
+                key: key::encode(
+                    keys,
+                    planned.layer.unwrap_or(DEFAULT_LAYER),
+                    &request.domain,
+                    &planned.limit,
+                    &entries,
+                ),
+                params: Params::of(&planned.limit),
+                hits,
+                shadow: planned.limit.shadow,
+            });
+            plan.limits.push(planned);
+            plan.descriptor_of.push(index);
+        };
+        match matched {
+            Matched::Nothing => {}
+            Matched::Unlimited(name, _) => {
+                plan.decisions.push(if is_replaced(name) {
+                    Decision::NoLimit
+                } else {
+                    Decision::Unlimited
+                });
+                continue;
+            }
+            Matched::Override(limit) => add(PlannedLimit {
+                limit: Cow::Owned(limit),
                 path: None,
                 detailed: false,
                 layer: None,
-            }]),
-            None => match matcher::find(&domain.root, &effective[index]) {
-                Some(node) => match &node.policy {
-                    None => Matched::Nothing,
-                    Some(Policy::Unlimited { name, replaces }) => {
-                        Matched::Unlimited(name.as_deref(), replaces)
-                    }
-                    Some(Policy::Limits(limits)) => Matched::Limits(
-                        limits
-                            .iter()
-                            .map(|limit| PlannedLimit {
-                                limit: Cow::Borrowed(limit),
-                                path: Some(node.path.as_str()),
-                                detailed: node.detailed_metric,
-                                layer: node.layer.as_deref(),
-                            })
-                            .collect(),
-                    ),
-                },
-                None => Matched::Nothing,
-            },
-        })
-        .collect();
-
-    let replaced: HashSet<&str> = matched
-        .iter()
-        .flat_map(|m| match m {
-            Matched::Nothing => Vec::new(),
-            Matched::Unlimited(_, replaces) => replaces.iter().map(String::as_str).collect(),
-            Matched::Limits(limits) => limits
-                .iter()
-                .flat_map(|planned| match &planned.limit {
-                    Cow::Borrowed(limit) => limit.replaces.as_slice(),
-                    Cow::Owned(_) => &[],
-                })
-                .map(String::as_str)
-                .collect(),
-        })
-        .collect();
-    let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(name));
-
-    for (index, (descriptor, matched)) in request.descriptors.iter().zip(matched).enumerate() {
-        let entries: &[(String, String)] = &effective[index];
-        let decision = match matched {
-            Matched::Nothing => Decision::NoLimit,
-            Matched::Unlimited(name, _) if is_replaced(name) => Decision::NoLimit,
-            Matched::Unlimited(..) => Decision::Unlimited,
-            Matched::Limits(limits) => {
-                let start = plan.checks.len();
-                let hits = hits_of(descriptor, request.hits_addend);
-                for planned in limits {
-                    if is_replaced(planned.limit.name.as_deref()) {
-                        continue;
-                    }
-                    plan.checks.push(Check {
-                        key: key::encode(
-                            keys,
-                            planned.layer.unwrap_or(DEFAULT_LAYER),
-                            &request.domain,
-                            &planned.limit,
-                            entries,
-                        ),
-                        params: Params::of(&planned.limit),
-                        hits,
-                        shadow: planned.limit.shadow,
+            }),
+            Matched::Limits(node, limits) => {
+                for limit in limits {
+                    add(PlannedLimit {
+                        limit: Cow::Borrowed(limit),
+                        path: Some(node.path.as_str()),
+                        detailed: node.detailed_metric,
+                        layer: node.layer.as_deref(),
                     });
-                    plan.limits.push(planned);
-                    plan.descriptor_of.push(index);
-                }
-                if plan.checks.len() == start {
-                    Decision::NoLimit
-                } else {
-                    Decision::Checks(start..plan.checks.len())
                 }
             }
-        };
-        plan.decisions.push(decision);
+        }
+        plan.decisions.push(if plan.checks.len() == start {
+            Decision::NoLimit
+        } else {
+            Decision::Checks(start..plan.checks.len())
+        });
     }
     plan
 }
@@ -224,10 +233,16 @@ fn with_plan<'e>(domain: &Domain, entries: &'e [(String, String)]) -> Cow<'e, [(
     }
 }
 
+/// The entries a descriptor is matched and keyed by.
+type Entries<'r> = Cow<'r, [(String, String)]>;
+
 enum Matched<'c> {
     Nothing,
     Unlimited(Option<&'c str>, &'c [String]),
-    Limits(Vec<PlannedLimit<'c>>),
+    /// The node's limits, all of which apply.
+    Limits(&'c Node, &'c [Limit]),
+    /// Envoy's own limit for the descriptor.
+    Override(Limit),
 }
 
 /// The descriptor's `hits_addend` wins over the request's; a request's 0 means 1.
