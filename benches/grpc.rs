@@ -1,29 +1,48 @@
-//! rlsd over real gRPC on loopback, against a do-nothing tonic server in the same run.
+//! The bench tool: rlsd over real gRPC on loopback, with the in-process and the Redis store,
+//! against a do-nothing tonic server and against `redis-benchmark` in the same run.
 //!
-//! Servers in this process: rlsd (`server::run` with `MemoryStore::new` on the system clock,
-//! default `ServiceSettings` so `x-ratelimit-*` headers are on, high limits so every request is
-//! allowed, 1000 distinct clients = 3000 keys), and a baseline implementing the same
-//! `RateLimitService` trait that answers OK with one OK status per descriptor at once, served with
-//! the same tonic settings as `server::run` (TCP_NODELAY, 30 s HTTP/2 keepalive). All are driven
-//! by the same tonic client code. `RLSD_BENCH_EXTRA=1` adds two diagnostic servers: `canned`
-//! replays rlsd's own captured answers (same bytes on the wire, no work) and `rlsd-svc` serves
-//! rlsd's `RateLimiter` with the baseline's setup instead of `server::run`; `rlsd-nohdr` is that
-//! with `HeaderStyle::Off` (no `x-ratelimit-*` headers).
+//! Servers in this process, all driven by the same tonic client code (HTTP/2, one connection per
+//! channel, many streams each):
+//! - `baseline`: implements the same `RateLimitService` trait and answers OK with one OK status
+//!   per descriptor at once, served with the same tonic settings as `server::run` (TCP_NODELAY,
+//!   30 s HTTP/2 keepalive);
+//! - `rlsd`: `server::run` with `MemoryStore::new` on the system clock;
+//! - `redis`: `server::run` with the Redis store, coalescing concurrent requests (default
+//!   `max_batch`), on a private redis-server the bench starts on a free loopback port;
+//! - `redis-1`: the same with one EVALSHA per request (`max_batch` 1).
+//!
+//! Every server uses default `ServiceSettings` (so `x-ratelimit-*` headers are on) and the config
+//! of `support/workload.rs`: limits so high that every request is allowed, on
+//! `RLSD_BENCH_ALGORITHM` (gcra), requests of 1, 3 (three layers) or 10 descriptors
+//! (`RLSD_BENCH_SHAPES`, default `1,3,10`) over 1000 distinct clients. `RLSD_BENCH_REDIS=0`
+//! leaves Redis out. `RLSD_BENCH_EXTRA=1` adds diagnostic servers: `canned` replays rlsd's own
+//! captured answers (same bytes on the wire, no work), `rlsd-svc` serves rlsd's `RateLimiter`
+//! with the baseline's setup instead of `server::run`, `rlsd-nohdr` is that with
+//! `HeaderStyle::Off` (no `x-ratelimit-*` headers).
+//!
+//! The ceiling: in every round and for every shape, `redis-benchmark -c 50` calls the Redis
+//! store's script on the same Redis with the keys and arguments rlsd sends for one request of
+//! that shape (each key's value one of 1000 random clients). `redis` and `redis-1` are quoted as
+//! a ratio of it, the in-process store as a ratio of `baseline`.
 //!
 //! Phases (each `RLSD_BENCH_SECONDS`, default 2, after 0.5 s of warm-up; every latency kept):
-//! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels (one HTTP/2 connection each) x
-//!    `RLSD_BENCH_INFLIGHT` (16) requests in flight each, for 3-descriptor (three-layer) and
-//!    1-descriptor requests; servers alternate within each of `RLSD_BENCH_ROUNDS` (3) rounds and
-//!    the median round is shown (PERF.md: quote medians of alternating rounds);
-//! 2. open loop at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of rlsd's measured 3-descriptor peak
-//!    (or `RLSD_BENCH_OPEN_RATE` req/s), the same rate for every server. A pacer thread releases
-//!    each request at its scheduled time as its own task (it sleeps with `std::thread::sleep`,
-//!    ~60 µs granularity, because tokio timers tick in whole ms), and latency runs from the
-//!    *scheduled* time, so a server that stalls cannot hide the queueing it causes (no coordinated
+//! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels x `RLSD_BENCH_INFLIGHT` (16)
+//!    requests in flight each, for every shape; servers alternate within each of
+//!    `RLSD_BENCH_ROUNDS` (3) rounds and the median round is shown (PERF.md: quote medians of
+//!    alternating rounds);
+//! 2. open loop on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
+//!    server's own peak (or `RLSD_BENCH_OPEN_RATE` req/s for all). A pacer thread releases each
+//!    request at its scheduled time as its own task (it sleeps with `std::thread::sleep`, ~60 µs
+//!    granularity, because tokio timers tick in whole ms), and latency runs from the *scheduled*
+//!    time, so a server that stalls cannot hide the queueing it causes (no coordinated
 //!    omission). "lag p99" is how late requests actually started on the client runtime;
-//! 3. one request in flight (one channel, closed loop), p50/p99.
+//! 3. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
 //!
-//! `RLSD_BENCH_PHASES` (peak,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd`) select.
+//! `RLSD_BENCH_PHASES` (peak,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
+//! tool prints a table of every phase (req/s, p50/p99/p999/max, answers by kind, server and
+//! client CPU per request), the ceilings, one summary line per server and shape (ratio, server
+//! CPU and Redis CPU per request), and writes an SVG plot of peak req/s by shape and latency at
+//! the first open-loop fraction to `RLSD_BENCH_PLOT` (default `target/rlsd-bench.svg`).
 //!
 //! Threads: the servers run on their own tokio runtime (`RLSD_BENCH_SERVER_THREADS`, default 2,
 //! threads named `bench-server`), the clients on another (`RLSD_BENCH_CLIENT_THREADS`, default 2,
@@ -47,54 +66,37 @@
 //!
 //! Run: `cargo bench --bench grpc`.
 
+use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+#[path = "support/redis_server.rs"]
+mod redis_server;
+#[path = "support/workload.rs"]
+mod workload;
+
 use arc_swap::ArcSwap;
-use rlsd::config::{self, Config};
-use rlsd::pb::rate_limit_descriptor::Entry;
+use redis_server::Redis;
+use rlsd::config::Config;
+use rlsd::engine::{self, KeySettings};
 use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
 use rlsd::pb::{
-    RateLimitDescriptor, RateLimitRequest, RateLimitResponse, RateLimitService,
-    RateLimitServiceClient, RateLimitServiceServer,
+    RateLimitRequest, RateLimitResponse, RateLimitService, RateLimitServiceClient,
+    RateLimitServiceServer,
 };
 use rlsd::server::{self, Listeners};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
-use rlsd::store::MemoryStore;
+use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
 use tokio::net::TcpListener;
 use tokio::runtime::{Handle, Runtime};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status};
-
-/// High limits: everything is allowed (u32::MAX is 4_294_967_295).
-const CONFIG: &str = r#"
-domain: edge-proxy
-descriptors:
-  - key: remote_address
-    rate_limit:
-      name: edge
-      unit: second
-      requests_per_unit: 4000000000
-  - key: plan
-    value: pro
-    descriptors:
-      - key: api_key
-        rate_limit:
-          name: plan-pro
-          unit: second
-          requests_per_unit: 4000000000
-  - key: endpoint
-    value: search
-    descriptors:
-      - key: api_key
-        rate_limit:
-          name: endpoint-search
-          unit: second
-          requests_per_unit: 4000000000
-"#;
+use workload::Shape;
 
 /// Distinct clients (IP + API key) the requests cycle through.
 const CLIENTS: usize = 1000;
@@ -117,6 +119,10 @@ struct Opts {
     open_rate: Option<f64>,
     open_fractions: Vec<f64>,
     only: Option<Vec<String>>,
+    shapes: Vec<Shape>,
+    algorithm: String,
+    redis: bool,
+    plot: PathBuf,
 }
 
 impl Opts {
@@ -157,6 +163,22 @@ impl Opts {
             only: std::env::var("RLSD_BENCH_ONLY")
                 .ok()
                 .map(|s| s.split(',').map(|p| p.trim().to_owned()).collect()),
+            shapes: var("RLSD_BENCH_SHAPES", "1,3,10".to_owned())
+                .split(',')
+                .map(|n| {
+                    let n: usize = n.trim().parse().expect("RLSD_BENCH_SHAPES: 1, 3 or 10");
+                    Shape::ALL
+                        .into_iter()
+                        .find(|s| s.descriptors() == n)
+                        .expect("RLSD_BENCH_SHAPES: 1, 3 or 10")
+                })
+                .collect(),
+            algorithm: var("RLSD_BENCH_ALGORITHM", "gcra".to_owned()),
+            redis: var("RLSD_BENCH_REDIS", 1_u8) == 1,
+            plot: PathBuf::from(var(
+                "RLSD_BENCH_PLOT",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/target/rlsd-bench.svg").to_owned(),
+            )),
         }
     }
 }
@@ -191,26 +213,25 @@ fn loopback() -> SocketAddr {
 
 type Limiter = RateLimiter<MemoryStore>;
 
-/// rlsd's service on the bench config, a system-clock `MemoryStore` and default settings.
-fn limiter() -> (Limiter, Arc<ArcSwap<Config>>) {
-    limiter_with(ServiceSettings::default())
+/// The bench config, shared by every rlsd server of the run.
+fn bench_config(algorithm: &str) -> Arc<ArcSwap<Config>> {
+    Arc::new(ArcSwap::from_pointee(workload::config(algorithm)))
 }
 
 /// rlsd's service on the bench config and a system-clock `MemoryStore`.
-fn limiter_with(settings: ServiceSettings) -> (Limiter, Arc<ArcSwap<Config>>) {
-    let domain = config::load_str("grpc-bench.yaml", CONFIG)
-        .unwrap_or_else(|e| panic!("bench config: {e:?}"));
-    let mut loaded = Config::default();
-    loaded.domains.insert(domain.name.clone(), domain);
-    let config = Arc::new(ArcSwap::from_pointee(loaded));
+fn limiter_with(algorithm: &str, settings: ServiceSettings) -> (Limiter, Arc<ArcSwap<Config>>) {
+    let config = bench_config(algorithm);
     let store = Arc::new(MemoryStore::new(rlsd::store::memory::DEFAULT_MAX_KEYS));
     let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
     (limiter, config)
 }
 
-/// Starts rlsd (`server::run`) on the current runtime; returns its gRPC address.
-async fn start_rlsd() -> SocketAddr {
-    let (limiter, config) = limiter();
+/// Starts `limiter` under `server::run` (as the binary does) on the current runtime; returns
+/// its gRPC address.
+async fn start_server<S: Store>(
+    limiter: RateLimiter<S>,
+    config: Arc<ArcSwap<Config>>,
+) -> SocketAddr {
     let listeners = Listeners::bind(loopback(), loopback())
         .await
         .expect("bind rlsd");
@@ -221,6 +242,21 @@ async fn start_rlsd() -> SocketAddr {
             .expect("rlsd serves");
     });
     addr
+}
+
+/// rlsd on the Redis store at `port`: `max_batch` 1 is one EVALSHA per request.
+async fn start_redis_rlsd(algorithm: &str, port: u16, max_batch: usize) -> SocketAddr {
+    let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{port}"));
+    settings.command_timeout = Duration::from_secs(1);
+    settings.max_batch = max_batch;
+    let store = Arc::new(
+        RedisStore::connect(settings)
+            .await
+            .expect("connect to redis"),
+    );
+    let config = bench_config(algorithm);
+    let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
+    start_server(limiter, config).await
 }
 
 /// Serves `service` with the same tonic settings as `server::run`.
@@ -239,16 +275,10 @@ async fn start_service<T: RateLimitService>(service: T) -> SocketAddr {
     addr
 }
 
-/// rlsd's `RateLimiter` served by `start_service` rather than `server::run`.
-async fn start_rlsd_service() -> SocketAddr {
-    let (limiter, _) = limiter();
-    start_service(limiter).await
-}
-
 /// Replays fixed answers: rlsd's, captured at start, so the bytes on the wire are the same.
 struct Canned {
-    three: RateLimitResponse,
-    one: RateLimitResponse,
+    /// rlsd's answer by descriptors per request.
+    answers: Vec<(usize, RateLimitResponse)>,
 }
 
 #[tonic::async_trait]
@@ -257,12 +287,12 @@ impl RateLimitService for Canned {
         &self,
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let answer = if request.get_ref().descriptors.len() == 1 {
-            &self.one
-        } else {
-            &self.three
-        };
-        Ok(Response::new(answer.clone()))
+        let descriptors = request.get_ref().descriptors.len();
+        self.answers
+            .iter()
+            .find(|(n, _)| *n == descriptors)
+            .map(|(_, answer)| Response::new(answer.clone()))
+            .ok_or_else(|| Status::invalid_argument("no canned answer for this shape"))
     }
 }
 
@@ -281,39 +311,9 @@ async fn connect(addr: SocketAddr, count: usize) -> Vec<Client> {
     clients
 }
 
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).to_owned(),
-                value: (*value).to_owned(),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-/// Requests for `CLIENTS` distinct clients with `descriptors` (3 = three layers, 1 = edge only).
-fn pool(descriptors: usize) -> Arc<Vec<RateLimitRequest>> {
-    let requests = (0..CLIENTS)
-        .map(|c| {
-            let ip = format!("10.0.{}.{}", c / 256, c % 256);
-            let key = format!("key-{c:05}");
-            let mut all = vec![
-                descriptor(&[("remote_address", &ip)]),
-                descriptor(&[("plan", "pro"), ("api_key", &key)]),
-                descriptor(&[("endpoint", "search"), ("api_key", &key)]),
-            ];
-            all.truncate(descriptors);
-            RateLimitRequest {
-                domain: "edge-proxy".to_owned(),
-                descriptors: all,
-                hits_addend: 0,
-            }
-        })
-        .collect();
-    Arc::new(requests)
+/// The requests of `CLIENTS` distinct clients in `shape`.
+fn pool(shape: Shape) -> Arc<Vec<RateLimitRequest>> {
+    Arc::new(shape.requests(CLIENTS))
 }
 
 /// Answers by kind.
@@ -368,7 +368,12 @@ struct Cpu {
     server: f64,
     client: f64,
     total: f64,
+    /// The bench's redis-server, when there is one.
+    redis: f64,
 }
+
+/// The redis-server whose CPU the phases count.
+static REDIS_PID: OnceLock<u32> = OnceLock::new();
 
 fn cpu_now() -> Cpu {
     let mut cpu = Cpu::default();
@@ -389,6 +394,12 @@ fn cpu_now() -> Cpu {
     };
     if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
         cpu.total = ticks(&stat);
+    }
+    if let Some(stat) = REDIS_PID
+        .get()
+        .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+    {
+        cpu.redis = ticks(&stat);
     }
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return cpu;
@@ -493,6 +504,7 @@ async fn closed_loop(
             server: cpu_end.server - cpu_begin.server,
             client: cpu_end.client - cpu_begin.client,
             total: cpu_end.total - cpu_begin.total,
+            redis: cpu_end.redis - cpu_begin.redis,
         },
     };
     for worker in workers {
@@ -594,6 +606,7 @@ fn open_loop(
             server: cpu_end.server - cpu_begin.server,
             client: cpu_end.client - cpu_begin.client,
             total: cpu_end.total - cpu_begin.total,
+            redis: cpu_end.redis - cpu_begin.redis,
         },
     };
     phase.sort();
@@ -698,6 +711,105 @@ fn runtime(threads: usize, name: &str) -> Runtime {
         .expect("tokio runtime")
 }
 
+/// `redis-benchmark -c 50` on the Redis store's script with the keys and arguments rlsd sends
+/// for one request of `shape` (each key's value a random client of 1000): the one EVALSHA per
+/// request ceiling.
+#[derive(Clone, Copy, Debug, Default)]
+struct Ceiling {
+    calls_per_second: f64,
+    redis_us_per_call: f64,
+}
+
+fn redis_benchmark(redis: &Redis, shape: Shape, algorithm: &str, seconds: Duration) -> Ceiling {
+    let sha = redis
+        .cli(&["SCRIPT", "LOAD", rlsd::store::redis::SCRIPT])
+        .expect("load script");
+    let config = workload::config(algorithm);
+    let wire = shape.request(0);
+    let request = engine::Request {
+        domain: wire.domain,
+        descriptors: wire
+            .descriptors
+            .into_iter()
+            .map(|d| engine::Descriptor {
+                entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 0,
+    };
+    let plan = engine::plan(&config, &request, &KeySettings::default());
+    let mut args: Vec<String> = vec!["EVALSHA".into(), sha, plan.checks.len().to_string()];
+    for check in &plan.checks {
+        let (stem, _) = check.key.rsplit_once('=').expect("keys end in =value");
+        args.push(format!("{stem}=__rand_int__"));
+    }
+    args.extend(["".into(), "1".into(), plan.checks.len().to_string()]);
+    for check in &plan.checks {
+        let p = &check.params;
+        args.extend([
+            p.algorithm.key_tag().to_owned(),
+            p.limit.to_string(),
+            p.period_us.to_string(),
+            p.burst.to_string(),
+            "t".to_owned(),
+            "1".to_owned(),
+            "0".to_owned(),
+        ]);
+    }
+    let run = |calls: u64| {
+        let cpu = redis.cpu_us();
+        let started = Instant::now();
+        let out = Command::new("redis-benchmark")
+            .args([
+                "-p",
+                &redis.port.to_string(),
+                "-c",
+                "50",
+                "-r",
+                "1000",
+                "-q",
+            ])
+            .args(["-n", &calls.to_string()])
+            .args(&args)
+            .output()
+            .expect("redis-benchmark runs");
+        let elapsed = started.elapsed().as_secs_f64();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !text.contains("ERR"),
+            "redis-benchmark's script call failed: {text}"
+        );
+        Ceiling {
+            calls_per_second: calls as f64 / elapsed,
+            redis_us_per_call: (redis.cpu_us() - cpu) as f64 / calls as f64,
+        }
+    };
+    // A short run sizes the measured one to about `seconds`.
+    let probe = run(5_000);
+    run(((probe.calls_per_second * seconds.as_secs_f64()) as u64).max(5_000))
+}
+
+fn median_ceiling(rounds: &[Ceiling]) -> Ceiling {
+    let mut sorted = rounds.to_vec();
+    sorted.sort_by(|a, b| a.calls_per_second.total_cmp(&b.calls_per_second));
+    sorted[sorted.len() / 2]
+}
+
+/// Servers whose throughput is compared with the Redis ceiling rather than the baseline.
+fn uses_redis(server: &str) -> bool {
+    server.starts_with("redis")
+}
+
+/// What the plot shows of one server.
+struct Plotted {
+    server: &'static str,
+    /// Peak req/s by shape, in `opts.shapes` order.
+    peaks: Vec<f64>,
+    /// p50, p99 and p999 (ms) in the open loop at the first open fraction of its own peak.
+    open: Option<[f64; 3]>,
+}
+
 fn main() {
     let opts = Opts::from_env();
     let client_rt = runtime(opts.client_threads, "bench-client");
@@ -705,38 +817,72 @@ fn main() {
     let server_handle = server_rt
         .as_ref()
         .map_or_else(|| client_rt.handle().clone(), |rt| rt.handle().clone());
-    let three = pool(3);
-    let one = pool(1);
+    let pools: Vec<(Shape, Arc<Vec<RateLimitRequest>>)> = opts
+        .shapes
+        .iter()
+        .map(|&shape| (shape, pool(shape)))
+        .collect();
+    let redis_installed = Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_ok();
+    if opts.redis && !redis_installed {
+        println!(
+            "note: redis-server is not installed: the Redis store and its ceiling are skipped"
+        );
+    }
+    let redis = (opts.redis && redis_installed).then(Redis::start);
+    if let Some(redis) = &redis {
+        let _ = REDIS_PID.set(redis.pid());
+    }
 
+    let algorithm = opts.algorithm.as_str();
+    let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());
     let mut addrs: Vec<(&'static str, SocketAddr)> = vec![
         ("baseline", server_handle.block_on(start_service(Baseline))),
-        ("rlsd", server_handle.block_on(start_rlsd())),
+        (
+            "rlsd",
+            server_handle.block_on(start_server(limiter, config)),
+        ),
     ];
+    if let Some(redis) = &redis {
+        let batch = rlsd::store::redis::DEFAULT_MAX_BATCH;
+        addrs.push((
+            "redis",
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, batch)),
+        ));
+        addrs.push((
+            "redis-1",
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1)),
+        ));
+    }
     if opts.extra {
         // rlsd's own answers, captured once, replayed by a server that does nothing else.
         let rlsd = addrs[1].1;
-        let (three_answer, one_answer) = client_rt.block_on(async {
+        let answers = client_rt.block_on(async {
             let mut client = connect(rlsd, 1).await.remove(0);
-            let mut ask = async |request: &RateLimitRequest| {
-                client
-                    .should_rate_limit(request.clone())
+            let mut answers = Vec::new();
+            for (shape, requests) in &pools {
+                let answer = client
+                    .should_rate_limit(requests[0].clone())
                     .await
                     .expect("rlsd answers")
-                    .into_inner()
-            };
-            (ask(&three[0]).await, ask(&one[0]).await)
+                    .into_inner();
+                answers.push((shape.descriptors(), answer));
+            }
+            answers
         });
-        let canned = Canned {
-            three: three_answer,
-            one: one_answer,
-        };
-        addrs.push(("canned", server_handle.block_on(start_service(canned))));
-        addrs.push(("rlsd-svc", server_handle.block_on(start_rlsd_service())));
+        addrs.push((
+            "canned",
+            server_handle.block_on(start_service(Canned { answers })),
+        ));
+        let (limiter, _) = limiter_with(algorithm, ServiceSettings::default());
+        addrs.push(("rlsd-svc", server_handle.block_on(start_service(limiter))));
         let no_headers = ServiceSettings {
             headers: HeaderStyle::Off,
             ..ServiceSettings::default()
         };
-        let (limiter, _) = limiter_with(no_headers);
+        let (limiter, _) = limiter_with(algorithm, no_headers);
         addrs.push(("rlsd-nohdr", server_handle.block_on(start_service(limiter))));
     }
     if let Some(only) = &opts.only {
@@ -751,11 +897,12 @@ fn main() {
     });
 
     println!(
-        "# rlsd gRPC bench: {} connections x {} in flight, {:.1} s per phase, {} round(s), {}",
+        "# rlsd gRPC bench: {} connections x {} in flight, {:.1} s per phase, {} round(s), {} limits, {}",
         opts.connections,
         opts.inflight,
         opts.seconds.as_secs_f64(),
         opts.rounds,
+        algorithm,
         if opts.shared {
             format!("one shared runtime of {} workers", opts.client_threads)
         } else {
@@ -764,6 +911,10 @@ fn main() {
                 opts.server_threads, opts.client_threads
             )
         }
+    );
+    println!(
+        "# servers: baseline = tonic server that answers OK and does nothing else; rlsd = in-process store; \
+         redis = Redis store, coalescing; redis-1 = Redis store, one EVALSHA per request"
     );
     println!("# CPU columns: µs of CPU per request (and % of one core over the phase)");
     if opts.extra {
@@ -774,17 +925,34 @@ fn main() {
         );
     }
 
-    let shapes = [("3 descriptors", &three), ("1 descriptor", &one)];
     let mut rows = Vec::new();
-    let mut ratios = Vec::new();
-    let mut rlsd_peak = None;
+    let mut summary = Vec::new();
+    let mut ceilings: Vec<Option<Ceiling>> = vec![None; pools.len()];
+    let mut plotted: Vec<Plotted> = servers
+        .iter()
+        .map(|(server, _)| Plotted {
+            server,
+            peaks: vec![0.0; pools.len()],
+            open: None,
+        })
+        .collect();
+    // The shape the open-loop and latency phases use: three layers when measured.
+    let open_shape = pools
+        .iter()
+        .position(|(shape, _)| *shape == Shape::ThreeLayer)
+        .unwrap_or(0);
+    let mut own_peak: Vec<Option<f64>> = vec![None; servers.len()];
 
-    // Phase 1: peak, servers alternating within each round.
+    // Phase 1: peak, servers (and the redis-benchmark ceiling) alternating within each round.
     if opts.phases.iter().any(|p| p == "peak") {
-        let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; shapes.len()];
+        let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; pools.len()];
+        let mut ceiling_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
         for round in 0..opts.rounds {
             eprintln!("peak round {}/{}", round + 1, opts.rounds);
-            for (s, (_, requests)) in shapes.iter().enumerate() {
+            for (s, (shape, requests)) in pools.iter().enumerate() {
+                if let Some(redis) = &redis {
+                    ceiling_rounds[s].push(redis_benchmark(redis, *shape, algorithm, opts.seconds));
+                }
                 for (v, (_, clients)) in servers.iter().enumerate() {
                     let phase = client_rt.block_on(closed_loop(
                         clients,
@@ -796,32 +964,55 @@ fn main() {
                 }
             }
         }
-        for (s, (shape, _)) in shapes.iter().enumerate() {
+        for (s, (shape, _)) in pools.iter().enumerate() {
             let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
+            ceilings[s] =
+                (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
             let rate_of = |name: &str| {
                 servers
                     .iter()
                     .position(|(server, _)| *server == name)
                     .map(|v| medians[v].rate())
             };
-            let cpu_of = |name: &str| {
-                servers
-                    .iter()
-                    .position(|(server, _)| *server == name)
-                    .map(|v| {
-                        medians[v].cpu.server * 1e6 / medians[v].latencies_us.len().max(1) as f64
-                    })
+            let cpu_of = |v: usize| {
+                medians[v].cpu.server * 1e6 / medians[v].latencies_us.len().max(1) as f64
             };
-            if let (Some(rlsd), Some(baseline)) = (rate_of("rlsd"), rate_of("baseline")) {
-                let cpu = cpu_of("rlsd").zip(cpu_of("baseline"));
-                ratios.push((*shape, rlsd / baseline, cpu));
-            }
-            if s == 0 {
-                rlsd_peak = rate_of("rlsd");
-            }
             for (v, (server, _)) in servers.iter().enumerate() {
+                plotted[v].peaks[s] = medians[v].rate();
+                if s == open_shape {
+                    own_peak[v] = Some(medians[v].rate());
+                }
+                let versus = if uses_redis(server) {
+                    ceilings[s].map(|c| ("redis-benchmark", c.calls_per_second))
+                } else if *server != "baseline" {
+                    rate_of("baseline").map(|b| ("baseline", b))
+                } else {
+                    None
+                };
+                if let Some((against, rate)) = versus {
+                    summary.push(format!(
+                        "{server:<10} {:<15} peak {:>8.0} req/s = {:.2}x {against} ({rate:.0}/s); server CPU {:.1} µs/req{}",
+                        shape.label(),
+                        medians[v].rate(),
+                        medians[v].rate() / rate,
+                        cpu_of(v),
+                        if uses_redis(server) {
+                            format!(
+                                ", Redis CPU {:.1} µs/req",
+                                medians[v].cpu.redis * 1e6 / medians[v].latencies_us.len().max(1) as f64
+                            )
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
                 rows.push(Row {
-                    phase: format!("peak, {shape}, {}x{}", opts.connections, opts.inflight),
+                    phase: format!(
+                        "peak, {}, {}x{}",
+                        shape.label(),
+                        opts.connections,
+                        opts.inflight
+                    ),
                     server,
                     result: medians[v].clone(),
                 });
@@ -829,19 +1020,20 @@ fn main() {
         }
     }
 
-    // Phase 2: open loop at fractions of rlsd's 3-descriptor peak, the same rate for every
-    // server; the pacer is a thread of its own, counted as client CPU.
+    // Phase 2: open loop at fractions of each server's own peak (or a fixed rate), on the
+    // three-layer shape; the pacer is a thread of its own, counted as client CPU.
     if opts.phases.iter().any(|p| p == "open") {
-        let rates: Vec<f64> = match (opts.open_rate, rlsd_peak) {
-            (Some(rate), _) => vec![rate],
-            (None, Some(peak)) => opts.open_fractions.iter().map(|f| peak * f).collect(),
-            (None, None) => vec![10_000.0],
-        };
-        for rate in rates {
-            for (server, clients) in &servers {
+        let (shape, requests) = &pools[open_shape];
+        for (f, fraction) in opts.open_fractions.iter().enumerate() {
+            for (v, (server, clients)) in servers.iter().enumerate() {
+                let rate = match (opts.open_rate, own_peak[v]) {
+                    (Some(rate), _) => rate,
+                    (None, Some(peak)) => peak * fraction,
+                    (None, None) => 5_000.0,
+                };
                 eprintln!("open loop {server} at {rate:.0}/s");
                 let handle = client_rt.handle().clone();
-                let requests = Arc::clone(&three);
+                let requests = Arc::clone(requests);
                 let seconds = opts.seconds;
                 let phase = std::thread::scope(|scope| {
                     std::thread::Builder::new()
@@ -853,11 +1045,15 @@ fn main() {
                         .join()
                         .expect("pacer")
                 });
-                let fraction = rlsd_peak.map_or(String::new(), |peak| {
+                if f == 0 {
+                    let l = &phase.latencies_us;
+                    plotted[v].open = Some([0.5, 0.99, 0.999].map(|q| Phase::percentile(l, q)));
+                }
+                let share = own_peak[v].map_or(String::new(), |peak| {
                     format!(" ({:.0}% pk)", 100.0 * rate / peak)
                 });
                 rows.push(Row {
-                    phase: format!("open {rate:.0}/s{fraction}, 3 desc"),
+                    phase: format!("open {rate:.0}/s{share}, {}", shape.label()),
                     server,
                     result: phase,
                 });
@@ -867,9 +1063,9 @@ fn main() {
 
     // Phase 3: one request in flight.
     if opts.phases.iter().any(|p| p == "single") {
-        for (shape, requests) in shapes {
+        for (shape, requests) in &pools {
             for (server, clients) in &servers {
-                eprintln!("1 in flight {server} {shape}");
+                eprintln!("1 in flight {server} {}", shape.label());
                 let phase = client_rt.block_on(closed_loop(
                     &clients[..1],
                     1,
@@ -877,7 +1073,7 @@ fn main() {
                     opts.seconds,
                 ));
                 rows.push(Row {
-                    phase: format!("1 in flight, {shape}"),
+                    phase: format!("1 in flight, {}", shape.label()),
                     server,
                     result: phase,
                 });
@@ -888,19 +1084,18 @@ fn main() {
     println!();
     print_rows(&rows, opts.shared);
     println!();
-    for (shape, ratio, cpu) in ratios {
-        println!(
-            "rlsd / baseline peak throughput, {shape}: {ratio:.2} (target >= 0.90: {})",
-            if ratio >= 0.9 { "met" } else { "NOT met" }
-        );
-        if let (Some((rlsd, baseline)), false) = (cpu, opts.shared) {
+    for (s, (shape, _)) in pools.iter().enumerate() {
+        if let Some(c) = ceilings[s] {
             println!(
-                "  server CPU per request at peak, {shape}: rlsd {rlsd:.1} µs, baseline {baseline:.1} µs \
-                 (rlsd adds {:.1} µs; CPU-normalised ratio {:.2}, less sensitive to other load)",
-                rlsd - baseline,
-                baseline / rlsd
+                "redis-benchmark -c 50, same script and keys, {:<15}: {:>8.0} calls/s, Redis CPU {:.1} µs/call",
+                shape.label(),
+                c.calls_per_second,
+                c.redis_us_per_call
             );
         }
+    }
+    for line in &summary {
+        println!("{line}");
     }
     let failed = rows.iter().any(|r| {
         r.result.counts.errors > 0 || r.result.counts.wrong > 0 || r.result.counts.over_limit > 0
@@ -912,10 +1107,218 @@ fn main() {
     } else {
         println!("all answers correct: every request OK with one OK status per descriptor");
     }
+    if opts.phases.iter().any(|p| p == "peak") {
+        let svg = plot(&opts, &pools, &ceilings, &plotted, open_shape);
+        match std::fs::write(&opts.plot, svg) {
+            Ok(()) => println!("plot: {}", opts.plot.display()),
+            Err(error) => println!("plot not written to {}: {error}", opts.plot.display()),
+        }
+    }
 
     drop(servers);
     client_rt.shutdown_timeout(Duration::from_secs(1));
     if let Some(rt) = server_rt {
         rt.shutdown_timeout(Duration::from_secs(1));
+    }
+}
+
+const PLOT_COLORS: [&str; 7] = [
+    "#9a9a9a", "#3866c4", "#d64541", "#e8923a", "#2e9d4a", "#8e5bb5", "#444444",
+];
+
+/// Two panels as hand-written SVG: peak req/s per shape for every server and the Redis
+/// ceiling; latency at the first open-loop fraction of each server's own peak.
+fn plot(
+    opts: &Opts,
+    pools: &[(Shape, Arc<Vec<RateLimitRequest>>)],
+    ceilings: &[Option<Ceiling>],
+    plotted: &[Plotted],
+    open_shape: usize,
+) -> String {
+    let (width, left, top, panel_h) = (900.0, 70.0, 60.0, 260.0);
+    let plot_w = width - left - 30.0;
+    let mut series: Vec<(String, Vec<f64>)> = plotted
+        .iter()
+        .map(|p| (p.server.to_owned(), p.peaks.clone()))
+        .collect();
+    if ceilings.iter().any(Option::is_some) {
+        series.push((
+            "redis-benchmark (1 EVALSHA/req)".to_owned(),
+            ceilings
+                .iter()
+                .map(|c| c.map_or(0.0, |c| c.calls_per_second))
+                .collect(),
+        ));
+    }
+    let latency_top = top + panel_h + 110.0;
+    let height = latency_top + panel_h + 70.0;
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput ({}x{} in flight, {} limits)</text>
+<text x="{left}" y="42" fill="#666">cargo bench --bench grpc; median of {} round(s); server, Redis and load generator share this machine's cores</text>
+"##,
+        opts.connections, opts.inflight, opts.algorithm, opts.rounds
+    );
+    let max_rate = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .fold(1.0, f64::max);
+    let scale = nice_ceiling(max_rate);
+    axis(&mut svg, left, top, plot_w, panel_h, scale, "req/s");
+    let group_w = plot_w / pools.len() as f64;
+    let bar_w = (group_w * 0.8) / series.len() as f64;
+    for (s, (shape, _)) in pools.iter().enumerate() {
+        let x0 = left + group_w * s as f64 + group_w * 0.1;
+        for (k, (_, values)) in series.iter().enumerate() {
+            let h = panel_h * values[s] / scale;
+            let x = x0 + bar_w * k as f64;
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="{}"><title>{:.0}</title></rect>"#,
+                top + panel_h - h,
+                bar_w * 0.9,
+                PLOT_COLORS[k % PLOT_COLORS.len()],
+                values[s]
+            );
+            if values[s] > 0.0 {
+                let _ = writeln!(
+                    svg,
+                    r#"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{:.1}k</text>"#,
+                    x + bar_w * 0.45,
+                    top + panel_h - h - 3.0,
+                    values[s] / 1000.0
+                );
+            }
+        }
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            left + group_w * (s as f64 + 0.5),
+            top + panel_h + 18.0,
+            shape.label()
+        );
+    }
+    legend(&mut svg, left, top + panel_h + 40.0, &series);
+
+    let _ = writeln!(
+        svg,
+        r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Latency at {:.0}% of each server's own peak, {} (open loop, from the scheduled send time)</text>"#,
+        latency_top - 20.0,
+        100.0 * opts.open_fractions.first().copied().unwrap_or(0.5),
+        pools[open_shape].0.label()
+    );
+    let measured: Vec<(&str, [f64; 3])> = plotted
+        .iter()
+        .filter_map(|p| p.open.map(|o| (p.server, o)))
+        .collect();
+    let max_ms = measured
+        .iter()
+        .flat_map(|(_, o)| o.iter().copied())
+        .filter(|v| v.is_finite())
+        .fold(0.1, f64::max);
+    let scale = nice_ceiling(max_ms);
+    axis(&mut svg, left, latency_top, plot_w, panel_h, scale, "ms");
+    if !measured.is_empty() {
+        let group_w = plot_w / measured.len() as f64;
+        let bar_w = group_w * 0.8 / 3.0;
+        for (g, (server, percentiles)) in measured.iter().enumerate() {
+            let x0 = left + group_w * g as f64 + group_w * 0.1;
+            for (k, ms) in percentiles.iter().enumerate() {
+                let h = panel_h * ms.min(scale) / scale;
+                let x = x0 + bar_w * k as f64;
+                let _ = writeln!(
+                    svg,
+                    r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="{}"/><text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{ms:.2}</text>"#,
+                    latency_top + panel_h - h,
+                    bar_w * 0.9,
+                    ["#9fc3e7", "#3866c4", "#1b2f66"][k],
+                    x + bar_w * 0.45,
+                    latency_top + panel_h - h - 3.0,
+                );
+            }
+            let _ = writeln!(
+                svg,
+                r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{server}</text>"#,
+                left + group_w * (g as f64 + 0.5),
+                latency_top + panel_h + 18.0
+            );
+        }
+    }
+    let percentiles = [
+        ("p50".to_owned(), Vec::new()),
+        ("p99".to_owned(), Vec::new()),
+        ("p999".to_owned(), Vec::new()),
+    ];
+    legend_colors(
+        &mut svg,
+        left,
+        latency_top + panel_h + 40.0,
+        &percentiles,
+        &["#9fc3e7", "#3866c4", "#1b2f66"],
+    );
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// The smallest 1, 2 or 5 times a power of ten at or above `value`.
+fn nice_ceiling(value: f64) -> f64 {
+    let power = 10f64.powf(value.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * power)
+        .find(|v| *v >= value)
+        .unwrap_or(10.0 * power)
+}
+
+fn axis(svg: &mut String, left: f64, top: f64, width: f64, height: f64, scale: f64, unit: &str) {
+    for i in 0..=5 {
+        let y = top + height - height * f64::from(i) / 5.0;
+        let value = scale * f64::from(i) / 5.0;
+        let label = if value >= 1000.0 {
+            format!("{:.0}k", value / 1000.0)
+        } else {
+            format!("{value}")
+        };
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{left}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#e6e6e6"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#666">{label}</text>"##,
+            left + width,
+            left - 6.0,
+            y + 4.0
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r##"<text x="14" y="{:.1}" fill="#666" transform="rotate(-90 14 {:.1})" text-anchor="middle">{unit}</text>"##,
+        top + height / 2.0,
+        top + height / 2.0
+    );
+}
+
+fn legend(svg: &mut String, left: f64, y: f64, series: &[(String, Vec<f64>)]) {
+    legend_colors(svg, left, y, series, &PLOT_COLORS);
+}
+
+fn legend_colors(
+    svg: &mut String,
+    left: f64,
+    y: f64,
+    series: &[(String, Vec<f64>)],
+    colors: &[&str],
+) {
+    let mut x = left;
+    for (k, (name, _)) in series.iter().enumerate() {
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{x:.1}" y="{:.1}" width="12" height="12" fill="{}"/><text x="{:.1}" y="{y:.1}">{}</text>"#,
+            y - 10.0,
+            colors[k % colors.len()],
+            x + 16.0,
+            rlsd::simulate::svg::escape(name)
+        );
+        x += 26.0 + 7.0 * name.len() as f64;
     }
 }

@@ -57,6 +57,11 @@ impl Redis {
             .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
+    /// The redis-server process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// CPU time of the redis-server process so far, in microseconds.
     pub fn cpu_us(&self) -> u64 {
         let stat =
