@@ -1158,7 +1158,7 @@ fn plot(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
 <text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput ({}x{} in flight, {} limits)</text>
-<text x="{left}" y="42" fill="#666">cargo bench --bench grpc; median of {} round(s); server, Redis and load generator share this machine's cores</text>
+<text x="{left}" y="42" fill="#666">cargo bench --bench grpc; median of {} round(s); redis = Redis store, coalesced; redis-1 = one EVALSHA per request; all share 2 cores</text>
 "##,
         opts.connections, opts.inflight, opts.algorithm, opts.rounds
     );
@@ -1205,7 +1205,7 @@ fn plot(
 
     let _ = writeln!(
         svg,
-        r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Latency at {:.0}% of each server's own peak, {} (open loop, from the scheduled send time)</text>"#,
+        r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Latency at {:.0}% of each server's own peak, {}, open loop</text>"#,
         latency_top - 20.0,
         100.0 * opts.open_fractions.first().copied().unwrap_or(0.5),
         pools[open_shape].0.label()

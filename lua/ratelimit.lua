@@ -12,7 +12,9 @@
 --           r refund), hits, shadow (1 or 0)
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
--- Reply: per check {allowed 0/1, remaining, reset µs}, request after request. A request writes
+-- Reply: one string of decimal integers separated by spaces, three per check (allowed 0/1,
+-- remaining, reset µs), request after request: one bulk string parses far faster on the
+-- client than an array of 3 integers per check. A request writes
 -- state only if every non-shadow check allows; when it is denied, its allowed checks report the
 -- remaining they still have (nothing was taken).
 
@@ -489,9 +491,7 @@ for _ = 1, tonumber(ARGV[2]) do
     if not allowed_all and result.allowed then
       remaining = result.unconsumed
     end
-    reply[#reply + 1] = result.allowed and 1 or 0
-    reply[#reply + 1] = remaining
-    reply[#reply + 1] = result.reset
+    reply[#reply + 1] = string.format('%d %d %d', result.allowed and 1 or 0, remaining, result.reset)
   end
 end
-return reply
+return table.concat(reply, ' ')

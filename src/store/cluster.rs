@@ -35,7 +35,7 @@ use crate::algorithm::{Hits, Params};
 use crate::clock::Clock;
 use crate::limit::Algorithm;
 
-use super::redis::{SCRIPT, build_invocation, split_reply};
+use super::redis::{SCRIPT, ScriptCall, split_reply};
 use super::{Check, Outcome, Store, StoreError, request_allowed};
 
 /// How to reach a Redis Cluster.
@@ -139,11 +139,11 @@ impl ClusterStore {
     /// One slot group as one request of the script.
     async fn call(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let requests = [checks];
-        let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), &requests);
+        let script_call = ScriptCall::new(&self.script, self.fixed_clock.as_deref(), &requests);
         let mut connection = ClusterConnection::clone(&self.connection.load());
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let call = invocation.invoke_async(&mut connection);
-        let reply: Vec<i64> = match tokio::time::timeout(self.command_timeout, call).await {
+        let call = script_call.run(&mut connection);
+        let reply: Vec<u8> = match tokio::time::timeout(self.command_timeout, call).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(error)) => {
                 self.rebuild_connection();

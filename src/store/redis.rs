@@ -357,13 +357,10 @@ impl RedisCaller {
     /// Decides several requests in one EVALSHA; each stays atomic and all-or-nothing, and later
     /// ones see what earlier ones committed.
     async fn evaluate_batch(&self, requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
-        let invocation = build_invocation(&self.script, self.fixed_clock.as_deref(), requests);
+        let script_call = ScriptCall::new(&self.script, self.fixed_clock.as_deref(), requests);
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let call = async {
-            on_link!(self, |connection| invocation
-                .invoke_async::<Vec<i64>>(&mut connection))
-        };
-        let reply: Vec<i64> = tokio::time::timeout(self.command_timeout, call)
+        let call = async { on_link!(self, |connection| script_call.run(&mut connection)) };
+        let reply: Vec<u8> = tokio::time::timeout(self.command_timeout, call)
             .await
             .map_err(|_| {
                 // A master that stopped answering may have been replaced.
@@ -377,44 +374,76 @@ impl RedisCaller {
     }
 }
 
-/// The EVALSHA of `requests` (see `lua/ratelimit.lua` for the layout).
-pub(super) fn build_invocation<'s>(
+/// One EVALSHA of the script (see `lua/ratelimit.lua` for the layout), its keys and arguments
+/// written straight into one command buffer: a `ScriptInvocation` allocates a buffer per
+/// argument and then copies them all into the command again.
+pub(super) struct ScriptCall<'s> {
     script: &'s redis::Script,
-    fixed_clock: Option<&dyn Clock>,
-    requests: &[&[Check]],
-) -> redis::ScriptInvocation<'s> {
-    let mut invocation = script.prepare_invoke();
-    match fixed_clock {
-        Some(clock) => invocation.arg(clock.now_us()),
-        None => invocation.arg(""),
-    };
-    invocation.arg(requests.len());
-    for checks in requests {
-        invocation.arg(checks.len());
-        for check in *checks {
-            let (mode, hits) = match check.hits {
-                Hits::Take(n) => ("t", n),
-                Hits::Peek => ("p", 1),
-                Hits::Refund(n) => ("r", n),
-            };
-            let params = &check.params;
-            invocation
-                .key(check.key.as_str())
-                .arg(params.algorithm.key_tag())
-                .arg(params.limit)
-                .arg(params.period_us)
-                .arg(params.burst)
-                .arg(mode)
-                .arg(hits)
-                .arg(u8::from(check.shadow));
-        }
-    }
-    invocation
+    command: redis::Cmd,
 }
 
-/// The script's flat reply, split back into one answer per request.
+impl<'s> ScriptCall<'s> {
+    /// The call deciding `requests`, in order.
+    pub(super) fn new(
+        script: &'s redis::Script,
+        fixed_clock: Option<&dyn Clock>,
+        requests: &[&[Check]],
+    ) -> ScriptCall<'s> {
+        let keys: usize = requests.iter().map(|checks| checks.len()).sum();
+        let mut command = redis::cmd("EVALSHA");
+        command.arg(script.get_hash()).arg(keys);
+        for check in requests.iter().flat_map(|checks| checks.iter()) {
+            command.arg(check.key.as_str());
+        }
+        match fixed_clock {
+            Some(clock) => command.arg(clock.now_us()),
+            None => command.arg(""),
+        };
+        command.arg(requests.len());
+        for checks in requests {
+            command.arg(checks.len());
+            for check in *checks {
+                let (mode, hits) = match check.hits {
+                    Hits::Take(n) => ("t", n),
+                    Hits::Peek => ("p", 1),
+                    Hits::Refund(n) => ("r", n),
+                };
+                let params = &check.params;
+                command
+                    .arg(params.algorithm.key_tag())
+                    .arg(params.limit)
+                    .arg(params.period_us)
+                    .arg(params.burst)
+                    .arg(mode)
+                    .arg(hits)
+                    .arg(u8::from(check.shadow));
+            }
+        }
+        ScriptCall { script, command }
+    }
+
+    /// Runs the call and returns the script's reply. On NOSCRIPT (Redis restarted or its
+    /// scripts were flushed) the script did not run: it is loaded and the call sent once more,
+    /// so nothing counts twice.
+    pub(super) async fn run(
+        &self,
+        connection: &mut impl redis::aio::ConnectionLike,
+    ) -> redis::RedisResult<Vec<u8>> {
+        match self.command.query_async(connection).await {
+            Err(error)
+                if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                self.script.load_async(connection).await?;
+                self.command.query_async(connection).await
+            }
+            reply => reply,
+        }
+    }
+}
+
+/// The script's reply, split back into one answer per request.
 pub(super) fn split_reply(
-    reply: &[i64],
+    reply: &[u8],
     requests: &[&[Check]],
 ) -> Result<Vec<Vec<Outcome>>, StoreError> {
     let total: usize = requests.iter().map(|checks| checks.len()).sum();
@@ -480,30 +509,47 @@ async fn run_batches(
     }
 }
 
-/// `[allowed, remaining, reset_us]` per check.
-fn parse_reply(reply: &[i64], checks: usize) -> Result<Vec<Outcome>, StoreError> {
-    if reply.len() != checks * 3 {
+/// `allowed remaining reset_us` per check, as decimal integers separated by spaces.
+fn parse_reply(reply: &[u8], checks: usize) -> Result<Vec<Outcome>, StoreError> {
+    let number = |text: &[u8]| -> Result<u64, StoreError> {
+        std::str::from_utf8(text)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| {
+                StoreError::Protocol(format!(
+                    "script answered {:?} where a non-negative integer belongs",
+                    String::from_utf8_lossy(text)
+                ))
+            })
+    };
+    let mut values = reply
+        .split(|&byte| byte == b' ')
+        .filter(|part| !part.is_empty());
+    let mut outcomes = Vec::with_capacity(checks);
+    for _ in 0..checks {
+        let (Some(allowed), Some(remaining), Some(reset)) =
+            (values.next(), values.next(), values.next())
+        else {
+            return Err(StoreError::Protocol(format!(
+                "script answered {} values for {checks} checks",
+                outcomes.len() * 3
+            )));
+        };
+        outcomes.push(Outcome {
+            verdict: Verdict {
+                allowed: number(allowed)? == 1,
+                remaining: number(remaining)?,
+                reset_us: number(reset)?,
+            },
+        });
+    }
+    if values.next().is_some() {
         return Err(StoreError::Protocol(format!(
-            "script answered {} values for {checks} checks",
-            reply.len()
+            "script answered more than {} values for {checks} checks",
+            checks * 3
         )));
     }
-    let non_negative = |value: i64| {
-        u64::try_from(value)
-            .map_err(|_| StoreError::Protocol(format!("script answered a negative value {value}")))
-    };
-    reply
-        .chunks_exact(3)
-        .map(|triple| {
-            Ok(Outcome {
-                verdict: Verdict {
-                    allowed: triple[0] == 1,
-                    remaining: non_negative(triple[1])?,
-                    reset_us: non_negative(triple[2])?,
-                },
-            })
-        })
-        .collect()
+    Ok(outcomes)
 }
 
 impl Store for RedisStore {
@@ -517,5 +563,40 @@ impl Store for RedisStore {
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         self.decide_one(checks).await
+    }
+}
+
+#[cfg(test)]
+mod reply_tests {
+    use super::*;
+
+    #[test]
+    fn replies_parse_three_integers_per_check() {
+        let outcomes = parse_reply(b"1 4 1000 0 0 250000", 2).expect("parses");
+        assert_eq!(
+            outcomes
+                .iter()
+                .map(|o| (o.verdict.allowed, o.verdict.remaining, o.verdict.reset_us))
+                .collect::<Vec<_>>(),
+            [(true, 4, 1000), (false, 0, 250_000)]
+        );
+        assert!(parse_reply(b"", 0).expect("empty").is_empty());
+    }
+
+    #[test]
+    fn malformed_replies_are_protocol_errors() {
+        for (reply, checks) in [
+            (&b"1 4"[..], 1),
+            (b"1 4 1000 1", 1),
+            (b"1 -4 1000", 1),
+            (b"1 4 1e3", 1),
+            (b"", 1),
+        ] {
+            assert!(
+                matches!(parse_reply(reply, checks), Err(StoreError::Protocol(_))),
+                "{:?} for {checks} checks",
+                String::from_utf8_lossy(reply)
+            );
+        }
     }
 }
