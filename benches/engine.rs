@@ -25,7 +25,7 @@
 //!
 //! Run: `cargo bench --bench engine` (or `RLSD_BENCH_SECONDS=3 cargo bench --bench engine`).
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::hint::black_box;
@@ -46,14 +46,14 @@ struct CountingAlloc;
 static COUNTING: AtomicBool = AtomicBool::new(false);
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
-// SAFETY: forwards every call to `System` unchanged.
+// SAFETY: forwards every call to mimalloc (the binary's allocator) unchanged.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.load(Ordering::Relaxed) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
+        unsafe { mimalloc::MiMalloc.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
@@ -61,12 +61,12 @@ unsafe impl GlobalAlloc for CountingAlloc {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: same contract as the caller's.
-        unsafe { System.alloc_zeroed(layout) }
+        unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -74,7 +74,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
     }
 }
 

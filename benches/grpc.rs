@@ -98,6 +98,10 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status};
 use workload::Shape;
 
+/// The binary's allocator, so the servers here run as `rlsd serve` does.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Distinct clients (IP + API key) the requests cycle through.
 const CLIENTS: usize = 1000;
 const WARMUP: Duration = Duration::from_millis(500);

@@ -20,7 +20,7 @@
 //!
 //! Run: `cargo bench --bench instructions` (needs `valgrind`; prints a note and stops if absent).
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::future::Future;
 use std::hint::black_box;
 use std::pin::pin;
@@ -48,19 +48,19 @@ struct CountingAlloc;
 static COUNTING: AtomicBool = AtomicBool::new(false);
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
-// SAFETY: forwards every call to `System` unchanged.
+// SAFETY: forwards every call to mimalloc (the binary's allocator) unchanged.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.load(Ordering::Relaxed) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
+        unsafe { mimalloc::MiMalloc.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -68,7 +68,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
     }
 }
 
