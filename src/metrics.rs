@@ -55,7 +55,7 @@ pub struct Metrics {
     shadow_mode: IntCounterVec,
     /// Cached handles by domain, then path: label lookups (and allocations) stay off the
     /// request path once a limit has been seen.
-    limits: RwLock<LimitMap<LimitMap<LimitCounters>>>,
+    limits: RwLock<LimitMap<LimitMap<Arc<LimitCounters>>>>,
     /// `ShouldRateLimit` latency, as the server measures it.
     pub request_duration: Histogram,
     /// Store call latency by store.
@@ -219,7 +219,7 @@ impl Metrics {
     }
 
     /// The counters of one limit, created on first use.
-    pub fn limit(&self, domain: &str, path: &str) -> LimitCounters {
+    pub fn limit(&self, domain: &str, path: &str) -> Arc<LimitCounters> {
         let cached = self
             .limits
             .read()
@@ -231,19 +231,20 @@ impl Metrics {
             return counters;
         }
         let labels = [domain, path];
-        let counters = LimitCounters {
+        // One Arc for the five handles: a request clones one pointer per limit, not five.
+        let counters = Arc::new(LimitCounters {
             total_hits: self.total_hits.with_label_values(&labels),
             over_limit: self.over_limit.with_label_values(&labels),
             near_limit: self.near_limit.with_label_values(&labels),
             within_limit: self.within_limit.with_label_values(&labels),
             shadow_mode: self.shadow_mode.with_label_values(&labels),
-        };
+        });
         self.limits
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(domain.to_owned())
             .or_default()
-            .insert(path.to_owned(), counters.clone());
+            .insert(path.to_owned(), Arc::clone(&counters));
         counters
     }
 
