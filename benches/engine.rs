@@ -25,13 +25,11 @@
 //!
 //! Run: `cargo bench --bench engine` (or `RLSD_BENCH_SECONDS=3 cargo bench --bench engine`).
 
-use std::alloc::{GlobalAlloc, Layout};
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::hint::black_box;
 use std::pin::pin;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -40,43 +38,10 @@ use rlsd::config::{self, Config};
 use rlsd::engine::{self, Descriptor, KeySettings, Request};
 use rlsd::store::{MemoryStore, Store, request_allowed};
 
-/// Counts allocations while `COUNTING` is on (off during timed loops: one relaxed load only).
-struct CountingAlloc;
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to mimalloc (the binary's allocator) unchanged.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
-    }
-}
+use counting_alloc::CountingAlloc;
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -315,13 +280,12 @@ fn measure(
     tally.requests = i;
 
     let mut scratch = Tally::default();
-    ALLOCS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::Relaxed);
-    for j in i..i + COUNT_PASS {
-        step(j, &mut scratch);
-    }
-    COUNTING.store(false, Ordering::Relaxed);
-    let allocs_per_request = ALLOCS.load(Ordering::Relaxed) as f64 / COUNT_PASS as f64;
+    let allocs = counting_alloc::allocations_during(|| {
+        for j in i..i + COUNT_PASS {
+            step(j, &mut scratch);
+        }
+    });
+    let allocs_per_request = allocs as f64 / COUNT_PASS as f64;
     Sample {
         tally,
         wall,

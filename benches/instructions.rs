@@ -20,13 +20,11 @@
 //!
 //! Run: `cargo bench --bench instructions` (needs `valgrind`; prints a note and stops if absent).
 
-use std::alloc::{GlobalAlloc, Layout};
 use std::future::Future;
 use std::hint::black_box;
 use std::pin::pin;
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use arc_swap::ArcSwap;
@@ -43,34 +41,10 @@ mod workload;
 
 use workload::Shape;
 
-struct CountingAlloc;
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to mimalloc (the binary's allocator) unchanged.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
-    }
-}
+use counting_alloc::CountingAlloc;
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -211,11 +185,7 @@ fn callgrind_total(shape: Shape, backend: Backend, count: usize) -> Result<u64, 
 
 fn allocations_per_request(shape: Shape, backend: Backend) -> f64 {
     let rig = Rig::new(shape, backend);
-    ALLOCS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::Relaxed);
-    rig.run(LOW);
-    COUNTING.store(false, Ordering::Relaxed);
-    ALLOCS.load(Ordering::Relaxed) as f64 / LOW as f64
+    counting_alloc::allocations_during(|| rig.run(LOW)) as f64 / LOW as f64
 }
 
 fn main() {
