@@ -244,14 +244,17 @@ fn main() {
                     continue;
                 }
             };
-            let base = *one.get_or_insert(per_request);
+            if shape == Shape::One {
+                one = Some(per_request);
+            }
+            let versus_one = one.map_or("-".to_owned(), |one| format!("{:.2}x", per_request / one));
             println!(
-                "| {:<7} | {:<16} | {:>12.0} | {:>15.0} | {:>8.2}x | {:>8.1} |",
+                "| {:<7} | {:<16} | {:>12.0} | {:>15.0} | {:>9} | {:>8.1} |",
                 format!("{backend:?}").to_lowercase(),
                 shape.label(),
                 per_request,
                 per_request / shape.descriptors() as f64,
-                per_request / base,
+                versus_one,
                 allocations_per_request(shape, backend),
             );
         }

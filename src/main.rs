@@ -12,11 +12,6 @@ use clap::{Parser, Subcommand};
 use rlsd::config;
 use rlsd::engine::KeySettings;
 
-/// mimalloc instead of glibc's malloc: a request allocates dozens of short-lived strings
-/// (protobuf decoding, keys, the response), and callgrind counts malloc and free as about a
-/// fifth of rlsd's instructions per request under glibc (`cargo bench --bench instructions`).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use rlsd::metrics::{DEFAULT_NEAR_LIMIT_RATIO, Metrics};
 use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners, ServeOptions};
@@ -27,6 +22,12 @@ use rlsd::store::{
     ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings, RedisStore, Store,
 };
 use rlsd::tls::{TlsFiles, TlsSettings};
+
+/// mimalloc instead of glibc's malloc: a request allocates dozens of short-lived strings
+/// (protobuf decoding, keys, the response), and callgrind counts malloc and free as about a
+/// fifth of rlsd's instructions per request under glibc (`cargo bench --bench instructions`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// A rate limit service for Envoy.
 #[derive(Parser)]

@@ -55,7 +55,7 @@ pub struct Metrics {
     shadow_mode: IntCounterVec,
     /// Cached handles by domain, then path: label lookups (and allocations) stay off the
     /// request path once a limit has been seen.
-    limits: RwLock<LimitMap<LimitMap<Arc<LimitCounters>>>>,
+    limits: RwLock<LimitMap<HashMap<String, Arc<LimitCounters>>>>,
     /// `ShouldRateLimit` latency, as the server measures it.
     pub request_duration: Histogram,
     /// Store call latency by store.
@@ -282,7 +282,9 @@ impl Metrics {
     }
 }
 
-/// Handles by name, hashed with foldhash (cheaper than SipHash on the request path).
+/// Handles by domain, hashed with foldhash (cheaper than SipHash on the request path). Only
+/// configured domains get here; the paths inside keep SipHash, because `detailed_metric` paths
+/// carry request values and so are inserted by clients.
 type LimitMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
 
 /// A shared handle.
