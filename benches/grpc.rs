@@ -9,6 +9,8 @@
 //! - `rlsd`: `server::run` with `MemoryStore::new` on the system clock;
 //! - `redis`: `server::run` with the Redis store, coalescing concurrent requests (default
 //!   `max_batch`), on a private redis-server the bench starts on a free loopback port;
+//!   `RLSD_BENCH_MAX_BATCH` and `RLSD_BENCH_PIPELINES` set its `--redis-max-batch` and
+//!   `--redis-pipelines`;
 //! - `redis-1`: the same with one EVALSHA per request (`max_batch` 1).
 //!
 //! Every server uses default `ServiceSettings` (so `x-ratelimit-*` headers are on) and the config
@@ -126,6 +128,8 @@ struct Opts {
     shapes: Vec<Shape>,
     algorithm: String,
     redis: bool,
+    max_batch: usize,
+    pipelines: usize,
     plot: PathBuf,
 }
 
@@ -179,6 +183,16 @@ impl Opts {
                 .collect(),
             algorithm: var("RLSD_BENCH_ALGORITHM", "gcra".to_owned()),
             redis: var("RLSD_BENCH_REDIS", 1_u8) == 1,
+            max_batch: var(
+                "RLSD_BENCH_MAX_BATCH",
+                rlsd::store::redis::DEFAULT_MAX_BATCH,
+            )
+            .max(2),
+            pipelines: var(
+                "RLSD_BENCH_PIPELINES",
+                rlsd::store::redis::DEFAULT_PIPELINES,
+            )
+            .max(1),
             plot: PathBuf::from(var(
                 "RLSD_BENCH_PLOT",
                 concat!(env!("CARGO_MANIFEST_DIR"), "/target/rlsd-bench.svg").to_owned(),
@@ -249,10 +263,16 @@ async fn start_server<S: Store>(
 }
 
 /// rlsd on the Redis store at `port`: `max_batch` 1 is one EVALSHA per request.
-async fn start_redis_rlsd(algorithm: &str, port: u16, max_batch: usize) -> SocketAddr {
+async fn start_redis_rlsd(
+    algorithm: &str,
+    port: u16,
+    max_batch: usize,
+    pipelines: usize,
+) -> SocketAddr {
     let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{port}"));
     settings.command_timeout = Duration::from_secs(1);
     settings.max_batch = max_batch;
+    settings.pipelines = pipelines;
     let store = Arc::new(
         RedisStore::connect(settings)
             .await
@@ -857,14 +877,14 @@ fn main() {
         ),
     ];
     if let Some(redis) = &redis {
-        let batch = rlsd::store::redis::DEFAULT_MAX_BATCH;
+        let (batch, pipelines) = (opts.max_batch, opts.pipelines);
         addrs.push((
             "redis",
-            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, batch)),
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, batch, pipelines)),
         ));
         addrs.push((
             "redis-1",
-            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1)),
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1, 1)),
         ));
     }
     if opts.extra {
