@@ -25,12 +25,9 @@
 //!
 //! Run: `cargo bench --bench engine` (or `RLSD_BENCH_SECONDS=3 cargo bench --bench engine`).
 
-use std::future::Future;
 use std::hash::BuildHasher;
 use std::hint::black_box;
-use std::pin::pin;
 use std::sync::Mutex;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use rlsd::clock::{Clock, ManualClock, SystemClock};
@@ -40,8 +37,11 @@ use rlsd::store::{MemoryStore, Store, request_allowed};
 
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
+#[path = "support/ready.rs"]
+mod ready;
 
 use counting_alloc::CountingAlloc;
+use ready::ready;
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -239,18 +239,6 @@ fn times(wall0: Instant, cpu0: Option<Duration>) -> (Duration, Duration) {
         .zip(thread_cpu())
         .map_or(wall, |(a, b)| b.saturating_sub(a));
     (wall, cpu)
-}
-
-/// Drives a future that must be ready at once (`MemoryStore::decide` is).
-fn ready<F: Future>(future: F) -> F::Output {
-    let mut future = pin!(future);
-    match future
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-    {
-        Poll::Ready(output) => output,
-        Poll::Pending => panic!("the store's future was not ready on its first poll"),
-    }
 }
 
 /// Runs `step` for `budget` (or `max` requests), calling `tick` every `BATCH` requests, then

@@ -20,12 +20,9 @@
 //!
 //! Run: `cargo bench --bench instructions` (needs `valgrind`; prints a note and stops if absent).
 
-use std::future::Future;
 use std::hint::black_box;
-use std::pin::pin;
 use std::process::Command;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 
 use arc_swap::ArcSwap;
 use prost::Message;
@@ -43,8 +40,11 @@ use workload::Shape;
 
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
+#[path = "support/ready.rs"]
+mod ready;
 
 use counting_alloc::CountingAlloc;
+use ready::ready;
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -58,18 +58,6 @@ const REDIS_HIGH: usize = 3_000;
 const CHILD_VAR: &str = "RLSD_INSTRUCTIONS_CHILD";
 /// A fixed instant (2026-12-02): limits never roll over while measuring.
 const T0: u64 = 1_796_223_600_000_000;
-
-/// Drives a future that must be ready at once (`MemoryStore` never waits).
-fn ready<F: Future>(future: F) -> F::Output {
-    let mut future = pin!(future);
-    match future
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-    {
-        Poll::Ready(output) => output,
-        Poll::Pending => panic!("the in-process path was not ready on its first poll"),
-    }
-}
 
 /// Where the rig keeps its counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

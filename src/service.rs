@@ -558,8 +558,8 @@ fn report<'c>(
     let planned = &plan.limits[chosen].limit;
     // Only config limits have names; an override's limit (owned by the plan) has none.
     let name = match planned {
-        std::borrow::Cow::Borrowed(limit) => limit.name.as_deref(),
-        std::borrow::Cow::Owned(_) => None,
+        Cow::Borrowed(limit) => limit.name.as_deref(),
+        Cow::Owned(_) => None,
     };
     let wire = wire_limit(planned);
     let verdict = reported(chosen);
