@@ -763,25 +763,20 @@ fn redis_benchmark(redis: &Redis, shape: Shape, algorithm: &str, seconds: Durati
         hits_addend: 0,
     };
     let plan = engine::plan(&config, &request, &KeySettings::default());
-    let mut args: Vec<String> = vec!["EVALSHA".into(), sha, plan.checks.len().to_string()];
-    for check in &plan.checks {
+    let command = rlsd::store::redis::script_command(&[plan.checks.as_slice()]);
+    let mut args: Vec<String> = command
+        .args_iter()
+        .map(|arg| match arg {
+            redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            _ => unreachable!("EVALSHA takes plain arguments"),
+        })
+        .collect();
+    assert_eq!(args[1], sha, "the store's script is the one loaded");
+    for arg in &mut args[3..3 + plan.checks.len()] {
         // The last entry's value (the client) varies: the same key layout and length class
         // as rlsd's keys, over 1000 values per key.
-        let (stem, _) = check.key.rsplit_once('=').expect("keys end in =value");
-        args.push(format!("{stem}=__rand_int__"));
-    }
-    args.extend(["".into(), "1".into(), plan.checks.len().to_string()]);
-    for check in &plan.checks {
-        let p = &check.params;
-        args.extend([
-            p.algorithm.key_tag().to_owned(),
-            p.limit.to_string(),
-            p.period_us.to_string(),
-            p.burst.to_string(),
-            "t".to_owned(),
-            "1".to_owned(),
-            "0".to_owned(),
-        ]);
+        let (stem, _) = arg.rsplit_once('=').expect("keys end in =value");
+        *arg = format!("{stem}=__rand_int__");
     }
     let run = |calls: u64| {
         let cpu = redis.cpu_us();

@@ -6,10 +6,11 @@
 --
 -- ARGV[1]   now in microseconds, or "" to read Redis TIME (the only clock replicas share;
 --           tests pass a fixed value)
--- ARGV[2]   number of requests R
--- then per request: its number of checks n, then 7 values per check: algorithm
---           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, mode (t take | p peek |
---           r refund), hits, shadow (1 or 0)
+-- ARGV[2]   number of distinct limits M in this call, then 5 values per limit: algorithm
+--           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, shadow (1 or 0)
+-- then      number of requests R, then per request: its number of checks n, then 2 values per
+--           check: the index of its limit (1..M) and its hits: "<n>" takes n, "p" peeks (decided
+--           as one hit, nothing taken), "r<n>" refunds n
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
 -- Reply: one string of decimal integers separated by spaces, three per check (allowed 0/1,
@@ -17,6 +18,10 @@
 -- client than an array of 3 integers per check. A request writes
 -- state only if every non-shadow check allows; when it is denied, its allowed checks report the
 -- remaining they still have (nothing was taken).
+--
+-- Written for Redis's Lua 5.1 interpreter, where a check costs little next to the call itself
+-- only if it allocates little: limits are parsed once per call, every string key is read by one
+-- MGET, results live in flat arrays, and no table is built per check beyond its new state.
 
 local SLACK = 1000000
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
@@ -36,13 +41,7 @@ local function round_up_ms(us)
   return idiv(us + 999, 1000) * 1000
 end
 
-local function split(text)
-  local parts = {}
-  for part in string.gmatch(text, '%S+') do
-    parts[#parts + 1] = tonumber(part)
-  end
-  return parts
-end
+local match = string.match
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -50,30 +49,34 @@ end
 
 -- Loading state ---------------------------------------------------------------------------
 
-local function load(key, alg, now, p)
-  if alg == 'swl' then
-    local horizon = now - p
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    local st = { key = key, horizon = horizon, adds = {}, removed = 0 }
-    st.stored = redis.call('ZCOUNT', key, '(' .. fmt(horizon), '+inf')
-    if newest[1] then
-      st.newest = tonumber(newest[2])
-    end
-    return st
+-- A sliding log, read from its sorted set.
+local function load_log(key, now, p)
+  local horizon = now - p
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  local st = { key = key, horizon = horizon, adds = {}, removed = 0 }
+  st.stored = redis.call('ZCOUNT', key, '(' .. fmt(horizon), '+inf')
+  if newest[1] then
+    st.newest = tonumber(newest[2])
   end
-  local raw = redis.call('GET', key)
+  return st
+end
+
+-- The state in a string key's value (false when the key does not exist).
+local function parse(alg, raw)
   if not raw then
     return false
   end
-  local v = split(raw)
-  if alg == 'fw' then
-    return { window = v[1], count = v[2] }
+  if alg == 'gcra' then
+    return { tat = tonumber(raw) }
+  elseif alg == 'fw' then
+    local window, count = match(raw, '^(%S+) (%S+)')
+    return { window = tonumber(window), count = tonumber(count) }
   elseif alg == 'swc' then
-    return { window = v[1], current = v[2], previous = v[3] }
-  elseif alg == 'tb' then
-    return { tokens = v[1], updated = v[2] }
+    local window, current, previous = match(raw, '^(%S+) (%S+) (%S+)')
+    return { window = tonumber(window), current = tonumber(current), previous = tonumber(previous) }
   else
-    return { tat = v[1] }
+    local tokens, updated = match(raw, '^(%S+) (%S+)')
+    return { tokens = tonumber(tokens), updated = tonumber(updated) }
   end
 end
 
@@ -268,7 +271,7 @@ local function emission_interval(c)
 end
 
 local function gcra(c, st, now, want, take)
-  local t = emission_interval(c)
+  local t = c.t
   local tau = max(0, c.b - 1) * t
   local tat0 = now
   if st then
@@ -319,7 +322,7 @@ local function refunded(c, st, now, n)
     tokens = min(tokens + n, c.b)
     return { tokens = tokens, updated = updated }, bucket_ttl(c, tokens) + max(0, updated - now)
   else
-    local tat = max(max(0, st.tat - n * emission_interval(c)), now)
+    local tat = max(max(0, st.tat - n * c.t), now)
     return { tat = tat }, tat - now + SLACK
   end
 end
@@ -333,12 +336,14 @@ local function has_state(c, st)
   return st ~= false
 end
 
+-- One check's answer: allowed, remaining, reset (µs, rounded up to whole ms), unconsumed (the
+-- remaining to report if another limit denies the request), new state (nil: nothing to
+-- write) and its ttl.
 local function run(c, st, now, want, take)
-  local state = st
-  if c.alg ~= 'swl' and st == false then
-    state = nil
+  if st == false then
+    st = nil
   end
-  local allowed, remaining, reset, new, ttl = ALGORITHMS[c.alg](c, state, now, want, take)
+  local allowed, remaining, reset, new, ttl = c.algorithm(c, st, now, want, take)
   local unconsumed = remaining
   if allowed then
     unconsumed = remaining + take
@@ -346,37 +351,29 @@ local function run(c, st, now, want, take)
   if not allowed or take == 0 then
     new = nil
   end
-  return { allowed = allowed, remaining = remaining, reset = round_up_ms(reset), unconsumed = unconsumed, state = new, ttl = ttl }
+  return allowed, remaining, round_up_ms(reset), unconsumed, new, ttl
 end
 
-local function assess(c, st, now)
+local function assess(c, mode, n, st, now)
   if c.l == 0 then
-    local allowed = c.mode == 'r'
-    return { allowed = allowed, remaining = 0, reset = round_up_ms(c.p), unconsumed = 0 }
+    return mode == 'r', 0, round_up_ms(c.p), 0
   end
-  if c.mode == 'p' then
+  if mode == 'p' then
     return run(c, st, now, 1, 0)
-  elseif c.mode == 'r' then
-    local before = run(c, st, now, 0, 0)
+  elseif mode == 'r' then
+    local allowed, remaining, reset = run(c, st, now, 0, 0)
     if not has_state(c, st) then
-      before.unconsumed = before.remaining
-      return before
+      return allowed, remaining, reset, remaining
     end
-    local new, ttl = refunded(c, st, now, c.n)
-    local after = run(c, new, now, 0, 0)
-    after.unconsumed = before.remaining
-    after.state, after.ttl = new, ttl
-    return after
+    local new, ttl = refunded(c, st, now, n)
+    local after_allowed, after_remaining, after_reset = run(c, new, now, 0, 0)
+    return after_allowed, after_remaining, after_reset, remaining, new, ttl
   end
-  local capacity = c.l
-  if c.alg == 'tb' or c.alg == 'gcra' then
-    capacity = c.b
+  if n > c.capacity then
+    local _, remaining = run(c, st, now, 0, 0)
+    return false, remaining, round_up_ms(c.p), remaining
   end
-  if c.n > capacity then
-    local idle = run(c, st, now, 0, 0)
-    return { allowed = false, remaining = idle.remaining, reset = round_up_ms(c.p), unconsumed = idle.remaining }
-  end
-  return run(c, st, now, c.n, c.n)
+  return run(c, st, now, n, n)
 end
 
 -- Writing state ----------------------------------------------------------------------------
@@ -431,67 +428,125 @@ else
   now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 end
 
--- Committed state of each key read so far in this call (false: none), so a key is read once.
--- Sliding logs are dropped after a write and read again, since their writes are deltas.
-local loaded = {}
+local limits = {}
+for i = 1, tonumber(ARGV[2]) do
+  local a = 3 + 5 * (i - 1)
+  local alg = ARGV[a]
+  local c = { alg = alg, algorithm = ALGORITHMS[alg], l = tonumber(ARGV[a + 1]),
+              p = tonumber(ARGV[a + 2]), b = tonumber(ARGV[a + 3]), shadow = ARGV[a + 4] == '1' }
+  if alg == 'tb' or alg == 'gcra' then
+    c.capacity = c.b
+  else
+    c.capacity = c.l
+  end
+  if alg == 'gcra' then
+    c.t = emission_interval(c)
+  end
+  limits[i] = c
+end
+local first_request_arg = 3 + 5 * #limits
+
+-- Pass 1: each check's limit, and every string key read at once (sorted-set logs are read
+-- as they come). L = 0 denies without reading anything.
+local limit_of, fetch, fetching = {}, {}, {}
+do
+  local g, arg = 1, first_request_arg + 1
+  for _ = 1, tonumber(ARGV[first_request_arg]) do
+    local count = tonumber(ARGV[arg])
+    arg = arg + 1
+    for _ = 1, count do
+      local c = limits[tonumber(ARGV[arg])]
+      limit_of[g] = c
+      local key = KEYS[g]
+      if c.alg ~= 'swl' and c.l ~= 0 and not fetching[key] then
+        fetching[key] = true
+        fetch[#fetch + 1] = key
+      end
+      g, arg = g + 1, arg + 2
+    end
+  end
+end
+local raw = {}
+-- In chunks: Lua's unpack has a stack limit (about 8000 values).
+for from = 1, #fetch, 1000 do
+  local to = min(from + 999, #fetch)
+  local values = redis.call('MGET', unpack(fetch, from, to))
+  for i = from, to do
+    raw[fetch[i]] = values[i - from + 1]
+  end
+end
+
+-- Committed state of each key so far in this call (false: none). Sliding logs are dropped
+-- after a write and read again, since their writes are deltas. `pending` holds the state a
+-- request has built but not yet written, tagged with the request in `pending_in`.
+local loaded, pending, pending_in, written_in = {}, {}, {}, {}
+local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
 local reply = {}
-local next_key, next_arg = 1, 3
-for _ = 1, tonumber(ARGV[2]) do
+local next_key, next_arg = 1, first_request_arg + 1
+for r = 1, tonumber(ARGV[first_request_arg]) do
   local count = tonumber(ARGV[next_arg])
   next_arg = next_arg + 1
-  local pending, checks, results, keys = {}, {}, {}, {}
+  local first_key = next_key
   local allowed_all = true
   for i = 1, count do
-    local key = KEYS[next_key]
-    next_key = next_key + 1
-    local a = next_arg + 7 * (i - 1)
-    local c = { alg = ARGV[a], l = tonumber(ARGV[a + 1]), p = tonumber(ARGV[a + 2]),
-                b = tonumber(ARGV[a + 3]), mode = ARGV[a + 4], n = tonumber(ARGV[a + 5]),
-                shadow = ARGV[a + 6] == '1' }
-    checks[i], keys[i] = c, key
-    local st = pending[key]
-    if st == nil then
+    local key, c = KEYS[next_key], limit_of[next_key]
+    local hits = ARGV[next_arg + 1]
+    next_key, next_arg = next_key + 1, next_arg + 2
+    local mode, n = 't', nil
+    if hits == 'p' then
+      mode, n = 'p', 1
+    elseif string.byte(hits) == 114 then -- 'r'
+      mode, n = 'r', tonumber(string.sub(hits, 2))
+    else
+      n = tonumber(hits)
+    end
+    local st
+    if pending_in[key] == r then
+      st = pending[key]
+    else
       st = loaded[key]
+      if st == nil and c.l ~= 0 then
+        if c.alg == 'swl' then
+          st = load_log(key, now, c.p)
+        else
+          st = parse(c.alg, raw[key])
+        end
+        loaded[key] = st
+      end
     end
-    -- L = 0 denies without reading anything.
-    if st == nil and c.l ~= 0 then
-      st = load(key, c.alg, now, c.p)
-      loaded[key] = st
+    local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+    allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
+    state_of[i], ttl_of[i] = new, ttl
+    if new then
+      pending[key], pending_in[key] = new, r
     end
-    local result = assess(c, st, now)
-    results[i] = result
-    if result.state then
-      pending[key] = result.state
-    end
-    if not result.allowed and not c.shadow then
+    if not allowed and not c.shadow then
       allowed_all = false
     end
   end
-  next_arg = next_arg + 7 * count
 
   -- Write each key once, with its final state (a key checked twice carries both checks' hits).
   if allowed_all then
-    local written = {}
     for i = count, 1, -1 do
-      local result, key = results[i], keys[i]
-      if result.state and not written[key] then
-        written[key] = true
-        store(checks[i], key, result.state, result.ttl, now)
-        if checks[i].alg == 'swl' then
+      local new, key = state_of[i], KEYS[first_key + i - 1]
+      if new and written_in[key] ~= r then
+        written_in[key] = r
+        local c = limit_of[first_key + i - 1]
+        store(c, key, new, ttl_of[i], now)
+        if c.alg == 'swl' then
           loaded[key] = nil
         else
-          loaded[key] = result.state
+          loaded[key] = new
         end
       end
     end
   end
   for i = 1, count do
-    local result = results[i]
-    local remaining = result.remaining
-    if not allowed_all and result.allowed then
-      remaining = result.unconsumed
+    local remaining = remaining_of[i]
+    if not allowed_all and allowed_of[i] then
+      remaining = unconsumed_of[i]
     end
-    reply[#reply + 1] = string.format('%d %d %d', result.allowed and 1 or 0, remaining, result.reset)
+    reply[#reply + 1] = string.format('%d %d %d', allowed_of[i] and 1 or 0, remaining, reset_of[i])
   end
 end
 return table.concat(reply, ' ')

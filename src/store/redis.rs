@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 
-use crate::algorithm::{Hits, Verdict};
+use crate::algorithm::{Hits, Params, Verdict};
 use crate::clock::Clock;
 
 use super::{Check, Outcome, Store, StoreError};
@@ -399,24 +399,38 @@ impl<'s> ScriptCall<'s> {
             Some(clock) => command.arg(clock.now_us()),
             None => command.arg(""),
         };
+        // Each distinct limit goes once; checks name theirs by index. A batch holds few
+        // distinct limits (every request of a route shares them), so a scan finds them.
+        fn limit_of(check: &Check) -> (&Params, bool) {
+            (&check.params, check.shadow)
+        }
+        let mut limits: Vec<(&Params, bool)> = Vec::new();
+        for check in requests.iter().flat_map(|checks| checks.iter()) {
+            if !limits.contains(&limit_of(check)) {
+                limits.push(limit_of(check));
+            }
+        }
+        command.arg(limits.len());
+        for (params, shadow) in &limits {
+            command
+                .arg(params.algorithm.key_tag())
+                .arg(params.limit)
+                .arg(params.period_us)
+                .arg(params.burst)
+                .arg(u8::from(*shadow));
+        }
         command.arg(requests.len());
         for checks in requests {
             command.arg(checks.len());
             for check in *checks {
-                let (mode, hits) = match check.hits {
-                    Hits::Take(n) => ("t", n),
-                    Hits::Peek => ("p", 1),
-                    Hits::Refund(n) => ("r", n),
+                let index = limits.iter().position(|known| *known == limit_of(check));
+                command.arg(index.map_or(0, |index| index + 1));
+                match check.hits {
+                    Hits::Take(n) => command.arg(n),
+                    Hits::Peek => command.arg("p"),
+                    // Refunds are rare: one small allocation is fine.
+                    Hits::Refund(n) => command.arg(format!("r{n}")),
                 };
-                let params = &check.params;
-                command
-                    .arg(params.algorithm.key_tag())
-                    .arg(params.limit)
-                    .arg(params.period_us)
-                    .arg(params.burst)
-                    .arg(mode)
-                    .arg(hits)
-                    .arg(u8::from(check.shadow));
             }
         }
         ScriptCall { script, command }
@@ -439,6 +453,12 @@ impl<'s> ScriptCall<'s> {
             reply => reply,
         }
     }
+}
+
+/// The EVALSHA that decides `requests` on Redis's clock, exactly as the store sends it (the
+/// bench tool replays it with `redis-benchmark` as the one-call-per-request ceiling).
+pub fn script_command(requests: &[&[Check]]) -> redis::Cmd {
+    ScriptCall::new(&redis::Script::new(SCRIPT), None, requests).command
 }
 
 /// The script's reply, split back into one answer per request.
