@@ -32,15 +32,23 @@
 //!    requests in flight each, for every shape; servers alternate within each of
 //!    `RLSD_BENCH_ROUNDS` (3) rounds and the median round is shown (PERF.md: quote medians of
 //!    alternating rounds);
-//! 2. open loop on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
+//! 2. h2load: the peak again, driven by `h2load` (nghttp2's load generator, in C; Debian
+//!    package `nghttp2-client`; skipped with a note when it is missing) with the same
+//!    connections and streams. The tonic client costs about as much CPU as the server, and
+//!    here it shares the two cores with rlsd and Redis, while the ceiling's load generator is
+//!    nearly free; h2load costs a third as much. It sends one fixed body per shape (client
+//!    0's), so this phase's ceiling is `redis-benchmark` on client 0's keys. h2load sees only
+//!    HTTP status, so rlsd's answers are checked against its own counters: one hit counted
+//!    per descriptor of every answered request, no over-limit, failure-mode or invalid answer;
+//! 3. open loop on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
 //!    server's own peak (or `RLSD_BENCH_OPEN_RATE` req/s for all). A pacer thread releases each
 //!    request at its scheduled time as its own task (it sleeps with `std::thread::sleep`, ~60 µs
 //!    granularity, because tokio timers tick in whole ms), and latency runs from the *scheduled*
 //!    time, so a server that stalls cannot hide the queueing it causes (no coordinated
 //!    omission). "lag p99" is how late requests actually started on the client runtime;
-//! 3. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
+//! 4. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
 //!
-//! `RLSD_BENCH_PHASES` (peak,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
+//! `RLSD_BENCH_PHASES` (peak,h2load,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
 //! tool prints a table of every phase (req/s, p50/p99/p999/max, answers by kind, server and
 //! client CPU per request), the ceilings, one summary line per server and shape (ratio, server
 //! CPU and Redis CPU per request), and writes an SVG plot of peak req/s by shape and latency at
@@ -76,6 +84,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+#[path = "support/h2load.rs"]
+mod h2load;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 #[path = "support/workload.rs"]
@@ -85,6 +95,7 @@ use arc_swap::ArcSwap;
 use redis_server::Redis;
 use rlsd::config::Config;
 use rlsd::engine::{self, KeySettings};
+use rlsd::metrics::Metrics;
 use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
 use rlsd::pb::{
     RateLimitRequest, RateLimitResponse, RateLimitService, RateLimitServiceClient,
@@ -153,7 +164,7 @@ impl Opts {
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
-            phases: var("RLSD_BENCH_PHASES", "peak,open,single".to_owned())
+            phases: var("RLSD_BENCH_PHASES", "peak,h2load,open,single".to_owned())
                 .split(',')
                 .map(|p| p.trim().to_owned())
                 .collect(),
@@ -244,12 +255,13 @@ fn limiter_with(algorithm: &str, settings: ServiceSettings) -> (Limiter, Arc<Arc
     (limiter, config)
 }
 
+/// A server's gRPC address, and its counters when it is rlsd.
+type Served = (SocketAddr, Option<Arc<Metrics>>);
+
 /// Starts `limiter` under `server::run` (as the binary does) on the current runtime; returns
-/// its gRPC address.
-async fn start_server<S: Store>(
-    limiter: RateLimiter<S>,
-    config: Arc<ArcSwap<Config>>,
-) -> SocketAddr {
+/// its gRPC address and counters.
+async fn start_server<S: Store>(limiter: RateLimiter<S>, config: Arc<ArcSwap<Config>>) -> Served {
+    let metrics = limiter.metrics();
     let listeners = Listeners::bind(loopback(), loopback())
         .await
         .expect("bind rlsd");
@@ -259,7 +271,7 @@ async fn start_server<S: Store>(
             .await
             .expect("rlsd serves");
     });
-    addr
+    (addr, Some(metrics))
 }
 
 /// rlsd on the Redis store at `port`: `max_batch` 1 is one EVALSHA per request.
@@ -268,7 +280,7 @@ async fn start_redis_rlsd(
     port: u16,
     max_batch: usize,
     pipelines: usize,
-) -> SocketAddr {
+) -> Served {
     let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{port}"));
     settings.command_timeout = Duration::from_secs(1);
     settings.max_batch = max_batch;
@@ -744,7 +756,22 @@ struct Ceiling {
     redis_us_per_call: f64,
 }
 
-fn redis_benchmark(redis: &Redis, shape: Shape, algorithm: &str, seconds: Duration) -> Ceiling {
+/// Whose keys the ceiling's calls carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CeilingKeys {
+    /// Each key's client one of 1000 at random, as the tonic client cycles through them.
+    Random,
+    /// Client 0's, as the h2load phase sends (one fixed body).
+    OneClient,
+}
+
+fn redis_benchmark(
+    redis: &Redis,
+    shape: Shape,
+    algorithm: &str,
+    seconds: Duration,
+    keys: CeilingKeys,
+) -> Ceiling {
     let sha = redis
         .cli(&["SCRIPT", "LOAD", rlsd::store::redis::SCRIPT])
         .expect("load script");
@@ -772,11 +799,13 @@ fn redis_benchmark(redis: &Redis, shape: Shape, algorithm: &str, seconds: Durati
         })
         .collect();
     assert_eq!(args[1], sha, "the store's script is the one loaded");
-    for arg in &mut args[3..3 + plan.checks.len()] {
-        // The last entry's value (the client) varies: the same key layout and length class
-        // as rlsd's keys, over 1000 values per key.
-        let (stem, _) = arg.rsplit_once('=').expect("keys end in =value");
-        *arg = format!("{stem}=__rand_int__");
+    if keys == CeilingKeys::Random {
+        for arg in &mut args[3..3 + plan.checks.len()] {
+            // The last entry's value (the client) varies: the same key layout and length
+            // class as rlsd's keys, over 1000 values per key.
+            let (stem, _) = arg.rsplit_once('=').expect("keys end in =value");
+            *arg = format!("{stem}=__rand_int__");
+        }
     }
     let run = |calls: u64| {
         let cpu = redis.cpu_us();
@@ -823,6 +852,127 @@ fn median_ceiling(rounds: &[Ceiling]) -> Ceiling {
 }
 
 /// Servers whose throughput is compared with the Redis ceiling rather than the baseline.
+/// `cpu` seconds over the phase, in µs per answered request.
+fn per_request(phase: &Phase, cpu: f64) -> f64 {
+    cpu * 1e6 / phase.latencies_us.len().max(1) as f64
+}
+
+/// rlsd's own counters at one moment: how the h2load phase, which sees only HTTP status,
+/// checks that every request was decided and allowed.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    answered: f64,
+    hits: f64,
+    over_limit: f64,
+    failure_answers: f64,
+    store_errors: f64,
+    invalid: f64,
+}
+
+impl Tally {
+    fn of(metrics: &Metrics) -> Tally {
+        let text = metrics.render();
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|line| {
+                    line.strip_prefix(name)
+                        .is_some_and(|rest| rest.starts_with(['{', ' ']))
+                })
+                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        Tally {
+            answered: sum("ratelimit_service_should_rate_limit_duration_seconds_count"),
+            hits: sum("ratelimit_service_rate_limit_total_hits"),
+            over_limit: sum("ratelimit_service_rate_limit_over_limit"),
+            failure_answers: sum("rlsd_failure_mode_answers_total"),
+            store_errors: sum("rlsd_store_errors_total"),
+            invalid: sum("rlsd_invalid_requests_total"),
+        }
+    }
+}
+
+/// One h2load peak run on `addr` (after a short warm-up run), as a `Phase`: h2load's
+/// latencies and its own CPU as the client's; answers checked against rlsd's counters when
+/// the server is rlsd (`metrics`).
+fn h2load_phase(
+    addr: SocketAddr,
+    metrics: Option<&Metrics>,
+    body: &std::path::Path,
+    descriptors: usize,
+    opts: &Opts,
+    log: &std::path::Path,
+) -> Phase {
+    let (connections, streams) = (opts.connections, opts.inflight);
+    h2load::run(addr, body, connections, streams, WARMUP, log);
+    let before = metrics.map(Tally::of);
+    let cpu_begin = cpu_now();
+    let run = h2load::run(addr, body, connections, streams, opts.seconds, log);
+    let cpu_end = cpu_now();
+    let after = metrics.map(Tally::of);
+    let mut counts = Counts {
+        errors: run.failed + run.done.saturating_sub(run.status_2xx),
+        ..Counts::default()
+    };
+    if counts.errors > 0 {
+        counts.first_problem = Some(format!(
+            "h2load: {} failed, {} of {} answers not 2xx",
+            run.failed,
+            run.done.saturating_sub(run.status_2xx),
+            run.done
+        ));
+    }
+    match before.zip(after) {
+        None => counts.ok = run.status_2xx,
+        Some((before, after)) => {
+            let delta = |f: fn(&Tally) -> f64| (f(&after) - f(&before)) as u64;
+            let answered = delta(|t| t.answered);
+            let hits = delta(|t| t.hits);
+            let failures = delta(|t| t.failure_answers) + delta(|t| t.store_errors);
+            let invalid = delta(|t| t.invalid);
+            counts.over_limit = delta(|t| t.over_limit);
+            counts.errors += failures + invalid;
+            // Every answered request counted one hit per descriptor; h2load may have given up
+            // on the few still in flight when its time ran out.
+            let in_flight = (connections * streams) as u64;
+            if hits != answered * descriptors as u64
+                || answered < run.done
+                || answered > run.done + in_flight
+            {
+                counts.wrong += 1;
+                counts.first_problem.get_or_insert_with(|| {
+                    format!(
+                        "rlsd counted {hits} hits for {answered} answers of {descriptors} descriptors; h2load saw {} answers",
+                        run.done
+                    )
+                });
+            }
+            if failures + invalid > 0 {
+                counts.first_problem.get_or_insert_with(|| {
+                    format!("rlsd: {failures} store failures, {invalid} invalid requests")
+                });
+            }
+            counts.ok = run
+                .status_2xx
+                .saturating_sub(failures + invalid + counts.over_limit);
+        }
+    }
+    let mut latencies_us = run.latencies_us;
+    latencies_us.sort_unstable();
+    Phase {
+        latencies_us,
+        lag_us: Vec::new(),
+        counts,
+        wall: Duration::from_secs_f64(run.seconds),
+        cpu: Cpu {
+            server: cpu_end.server - cpu_begin.server,
+            client: run.cpu_seconds,
+            total: cpu_end.total - cpu_begin.total,
+            redis: cpu_end.redis - cpu_begin.redis,
+        },
+    }
+}
+
 fn uses_redis(server: &str) -> bool {
     server.starts_with("redis")
 }
@@ -864,8 +1014,12 @@ fn main() {
 
     let algorithm = opts.algorithm.as_str();
     let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());
-    let mut addrs: Vec<(&'static str, SocketAddr)> = vec![
-        ("baseline", server_handle.block_on(start_service(Baseline))),
+    // Each server's address, and rlsd's counters (how the h2load phase checks answers).
+    let mut addrs: Vec<(&'static str, Served)> = vec![
+        (
+            "baseline",
+            (server_handle.block_on(start_service(Baseline)), None),
+        ),
         (
             "rlsd",
             server_handle.block_on(start_server(limiter, config)),
@@ -884,7 +1038,7 @@ fn main() {
     }
     if opts.extra {
         // rlsd's own answers, captured once, replayed by a server that does nothing else.
-        let rlsd = addrs[1].1;
+        let rlsd = addrs[1].1.0;
         let answers = client_rt.block_on(async {
             let mut client = connect(rlsd, 1).await.remove(0);
             let mut answers = Vec::new();
@@ -900,23 +1054,32 @@ fn main() {
         });
         addrs.push((
             "canned",
-            server_handle.block_on(start_service(Canned { answers })),
+            (
+                server_handle.block_on(start_service(Canned { answers })),
+                None,
+            ),
         ));
         let (limiter, _) = limiter_with(algorithm, ServiceSettings::default());
-        addrs.push(("rlsd-svc", server_handle.block_on(start_service(limiter))));
+        addrs.push((
+            "rlsd-svc",
+            (server_handle.block_on(start_service(limiter)), None),
+        ));
         let no_headers = ServiceSettings {
             headers: HeaderStyle::Off,
             ..ServiceSettings::default()
         };
         let (limiter, _) = limiter_with(algorithm, no_headers);
-        addrs.push(("rlsd-nohdr", server_handle.block_on(start_service(limiter))));
+        addrs.push((
+            "rlsd-nohdr",
+            (server_handle.block_on(start_service(limiter)), None),
+        ));
     }
     if let Some(only) = &opts.only {
         addrs.retain(|(name, _)| only.iter().any(|o| o == name));
     }
     let servers: Vec<(&'static str, Vec<Client>)> = client_rt.block_on(async {
         let mut servers = Vec::new();
-        for (name, addr) in &addrs {
+        for (name, (addr, _)) in &addrs {
             servers.push((*name, connect(*addr, opts.connections).await));
         }
         servers
@@ -968,6 +1131,7 @@ fn main() {
         .position(|(shape, _)| *shape == Shape::ThreeLayer)
         .unwrap_or(0);
     let mut own_peak: Vec<Option<f64>> = vec![None; servers.len()];
+    let mut h2load_ceilings: Vec<(Shape, Ceiling)> = Vec::new();
 
     // Phase 1: peak, servers (and the redis-benchmark ceiling) alternating within each round.
     if opts.phases.iter().any(|p| p == "peak") {
@@ -977,7 +1141,13 @@ fn main() {
             eprintln!("peak round {}/{}", round + 1, opts.rounds);
             for (s, (shape, requests)) in pools.iter().enumerate() {
                 if let Some(redis) = &redis {
-                    ceiling_rounds[s].push(redis_benchmark(redis, *shape, algorithm, opts.seconds));
+                    ceiling_rounds[s].push(redis_benchmark(
+                        redis,
+                        *shape,
+                        algorithm,
+                        opts.seconds,
+                        CeilingKeys::Random,
+                    ));
                 }
                 for (v, (_, clients)) in servers.iter().enumerate() {
                     let phase = client_rt.block_on(closed_loop(
@@ -1050,6 +1220,113 @@ fn main() {
                     result: medians[v].clone(),
                 });
             }
+        }
+    }
+
+    // Phase 1b: peak again, driven by h2load (C) instead of the tonic client, so the load
+    // generator takes as little of the two cores as redis-benchmark does for the ceiling. One
+    // fixed body per shape (client 0's), so its ceiling runs on client 0's keys too.
+    if opts.phases.iter().any(|p| p == "h2load") {
+        if h2load::installed() {
+            let dir = std::env::temp_dir().join(format!("rlsd-bench-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("bench temp dir");
+            let log = dir.join("h2load.log");
+            let bodies: Vec<PathBuf> = pools
+                .iter()
+                .map(|(shape, requests)| {
+                    let path = dir.join(format!("body-{}.bin", shape.descriptors()));
+                    std::fs::write(&path, h2load::grpc_body(&requests[0])).expect("body file");
+                    path
+                })
+                .collect();
+            let mut runs: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); addrs.len()]; pools.len()];
+            let mut ceiling_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
+            for round in 0..opts.rounds {
+                eprintln!("h2load round {}/{}", round + 1, opts.rounds);
+                for (s, (shape, _)) in pools.iter().enumerate() {
+                    if let Some(redis) = &redis {
+                        ceiling_rounds[s].push(redis_benchmark(
+                            redis,
+                            *shape,
+                            algorithm,
+                            opts.seconds,
+                            CeilingKeys::OneClient,
+                        ));
+                    }
+                    for (v, (_, (addr, metrics))) in addrs.iter().enumerate() {
+                        let phase = h2load_phase(
+                            *addr,
+                            metrics.as_deref(),
+                            &bodies[s],
+                            shape.descriptors(),
+                            &opts,
+                            &log,
+                        );
+                        runs[s][v].push(phase);
+                    }
+                }
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            for (s, (shape, _)) in pools.iter().enumerate() {
+                let medians: Vec<Phase> = runs[s].iter().map(|p| median(p)).collect();
+                let ceiling =
+                    (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
+                if let Some(ceiling) = ceiling {
+                    h2load_ceilings.push((*shape, ceiling));
+                }
+                let baseline = addrs
+                    .iter()
+                    .position(|(server, _)| *server == "baseline")
+                    .map(|v| {
+                        (
+                            medians[v].rate(),
+                            per_request(&medians[v], medians[v].cpu.server),
+                        )
+                    });
+                for (v, (server, _)) in addrs.iter().enumerate() {
+                    let phase = &medians[v];
+                    let versus = if uses_redis(server) {
+                        ceiling.map(|c| ("redis-benchmark, same keys", c.calls_per_second))
+                    } else if *server != "baseline" {
+                        baseline.map(|(rate, _)| ("baseline", rate))
+                    } else {
+                        None
+                    };
+                    if let Some((against, rate)) = versus {
+                        let cpu = per_request(phase, phase.cpu.server);
+                        summary.push(format!(
+                            "{server:<10} {:<15} h2load {:>8.0} req/s = {:.2}x {against} ({rate:.0}/s); server CPU {cpu:.1} µs/req{}",
+                            shape.label(),
+                            phase.rate(),
+                            phase.rate() / rate,
+                            match (uses_redis(server), baseline) {
+                                (true, _) => format!(
+                                    ", Redis CPU {:.1} µs/req",
+                                    per_request(phase, phase.cpu.redis)
+                                ),
+                                (false, Some((_, base))) => {
+                                    format!(" (+{:.1} µs over the baseline's)", cpu - base)
+                                }
+                                (false, None) => String::new(),
+                            }
+                        ));
+                    }
+                    rows.push(Row {
+                        phase: format!(
+                            "h2load, {}, {}x{}",
+                            shape.label(),
+                            opts.connections,
+                            opts.inflight
+                        ),
+                        server,
+                        result: phase.clone(),
+                    });
+                }
+            }
+        } else {
+            println!(
+                "note: h2load is not installed (Debian package nghttp2-client): the h2load phase is skipped"
+            );
         }
     }
 
@@ -1126,6 +1403,14 @@ fn main() {
                 c.redis_us_per_call
             );
         }
+    }
+    for (shape, c) in &h2load_ceilings {
+        println!(
+            "redis-benchmark -c 50, same script, client 0's keys, {:<15}: {:>8.0} calls/s, Redis CPU {:.1} µs/call",
+            shape.label(),
+            c.calls_per_second,
+            c.redis_us_per_call
+        );
     }
     for line in &summary {
         println!("{line}");
