@@ -1,7 +1,6 @@
 //! The tonic `RateLimitService`: the only module that sees Envoy's wire types.
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,6 +12,7 @@ use tonic::{Request, Response, Status};
 
 use crate::algorithm::{Hits, Verdict};
 use crate::config::Config;
+use crate::engine::key::push_decimal;
 use crate::engine::{self, Decision, Descriptor, KeySettings, LimitOverride, Plan};
 use crate::limit::{MICROS_PER_SECOND, Unit};
 use crate::metrics::{DEFAULT_NEAR_LIMIT_RATIO, LimitResult, Metrics};
@@ -627,21 +627,34 @@ fn rate_limit_headers(
         raw_value: Vec::new(),
     };
     // Envoy's DRAFT_VERSION_03 form: the closest limit, then one policy per limit. Written into
-    // one buffer: this runs on every limited request.
+    // one buffer without `fmt`: this runs on every limited request.
     let mut policy = String::with_capacity(16 + 24 * limited.len());
-    let _ = write!(policy, "{}", closest.requests_per_unit);
+    push_decimal(&mut policy, u64::from(closest.requests_per_unit));
     for r in limited {
-        let _ = write!(policy, ", {};w={}", r.requests_per_unit, r.window_seconds);
+        policy.push_str(", ");
+        push_decimal(&mut policy, u64::from(r.requests_per_unit));
+        policy.push_str(";w=");
+        push_decimal(&mut policy, r.window_seconds);
         if let Some(name) = r.name.filter(|name| !name.is_empty()) {
-            let _ = write!(policy, ";name=\"{name}\"");
+            policy.push_str(";name=\"");
+            policy.push_str(name);
+            policy.push('"');
         }
     }
+    let decimal = |n: u64| {
+        let mut text = String::with_capacity(20);
+        push_decimal(&mut text, n);
+        text
+    };
     let mut headers = Vec::with_capacity(4);
     headers.push(header(limit_name, policy));
-    headers.push(header(remaining_name, closest.remaining.to_string()));
+    headers.push(header(
+        remaining_name,
+        decimal(u64::from(closest.remaining)),
+    ));
     headers.push(header(
         reset_name,
-        whole_seconds_up(closest.reset_us).to_string(),
+        decimal(whole_seconds_up(closest.reset_us)),
     ));
     if over {
         let wait = limited
@@ -652,7 +665,7 @@ fn rate_limit_headers(
             .unwrap_or(0);
         headers.push(header(
             "retry-after",
-            whole_seconds_up(wait).max(1).to_string(),
+            decimal(whole_seconds_up(wait).max(1)),
         ));
     }
     headers

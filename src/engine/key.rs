@@ -68,21 +68,10 @@ fn escape_into(out: &mut String, text: &str) {
     }
 }
 
-/// Appends `n` in decimal: `write!` costs several times more on this per-check path.
-fn push_decimal(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for &digit in &digits[at..] {
-        out.push(char::from(digit));
-    }
+/// Appends `n` in decimal: `write!` costs several times more on these per-check paths, and
+/// itoa's two digits per step half as much as a digit at a time.
+pub(crate) fn push_decimal(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
 }
 
 #[cfg(test)]
