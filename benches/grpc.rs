@@ -982,6 +982,8 @@ struct Plotted {
     server: &'static str,
     /// Peak req/s by shape, in `opts.shapes` order.
     peaks: Vec<f64>,
+    /// The same, driven by h2load (0 where not measured).
+    h2load_peaks: Vec<f64>,
     /// p50, p99 and p999 (ms) in the open loop at the first open fraction of its own peak.
     open: Option<[f64; 3]>,
 }
@@ -1122,6 +1124,7 @@ fn main() {
         .map(|(server, _)| Plotted {
             server,
             peaks: vec![0.0; pools.len()],
+            h2load_peaks: vec![0.0; pools.len()],
             open: None,
         })
         .collect();
@@ -1285,6 +1288,7 @@ fn main() {
                     });
                 for (v, (server, _)) in addrs.iter().enumerate() {
                     let phase = &medians[v];
+                    plotted[v].h2load_peaks[s] = phase.rate();
                     let versus = if uses_redis(server) {
                         ceiling.map(|c| ("redis-benchmark, same keys", c.calls_per_second))
                     } else if *server != "baseline" {
@@ -1425,8 +1429,15 @@ fn main() {
     } else {
         println!("all answers correct: every request OK with one OK status per descriptor");
     }
-    if opts.phases.iter().any(|p| p == "peak") {
-        let svg = plot(&opts, &pools, &ceilings, &plotted, open_shape);
+    if opts.phases.iter().any(|p| p == "peak" || p == "h2load") {
+        let svg = plot(
+            &opts,
+            &pools,
+            &ceilings,
+            &h2load_ceilings,
+            &plotted,
+            open_shape,
+        );
         match std::fs::write(&opts.plot, svg) {
             Ok(()) => println!("plot: {}", opts.plot.display()),
             Err(error) => println!("plot not written to {}: {error}", opts.plot.display()),
@@ -1444,82 +1455,79 @@ const PLOT_COLORS: [&str; 7] = [
     "#9a9a9a", "#3866c4", "#d64541", "#e8923a", "#2e9d4a", "#8e5bb5", "#444444",
 ];
 
-/// Two panels as hand-written SVG: peak req/s per shape for every server and the Redis
-/// ceiling; latency at the first open-loop fraction of each server's own peak.
+/// Hand-written SVG: peak req/s per shape for every server and the Redis ceiling, driven by
+/// the tonic client and (when measured) by h2load; latency at the first open-loop fraction of
+/// each server's own peak.
 fn plot(
     opts: &Opts,
     pools: &[(Shape, Arc<Vec<RateLimitRequest>>)],
     ceilings: &[Option<Ceiling>],
+    h2load_ceilings: &[(Shape, Ceiling)],
     plotted: &[Plotted],
     open_shape: usize,
 ) -> String {
     let (width, left, top, panel_h) = (900.0, 70.0, 60.0, 260.0);
     let plot_w = width - left - 30.0;
-    let mut series: Vec<(String, Vec<f64>)> = plotted
+    let shapes: Vec<Shape> = pools.iter().map(|(shape, _)| *shape).collect();
+    let peaks = |peaks: fn(&Plotted) -> &Vec<f64>, ceiling: Vec<f64>| {
+        let mut series: Vec<(String, Vec<f64>)> = plotted
+            .iter()
+            .map(|p| (p.server.to_owned(), peaks(p).clone()))
+            .collect();
+        if ceiling.iter().any(|c| *c > 0.0) {
+            series.push(("redis-benchmark (1 EVALSHA/req)".to_owned(), ceiling));
+        }
+        series
+    };
+    let tonic = peaks(
+        |p| &p.peaks,
+        ceilings
+            .iter()
+            .map(|c| c.map_or(0.0, |c| c.calls_per_second))
+            .collect(),
+    );
+    let h2load = peaks(
+        |p| &p.h2load_peaks,
+        shapes
+            .iter()
+            .map(|shape| {
+                h2load_ceilings
+                    .iter()
+                    .find(|(s, _)| s == shape)
+                    .map_or(0.0, |(_, c)| c.calls_per_second)
+            })
+            .collect(),
+    );
+    let with_h2load = plotted
         .iter()
-        .map(|p| (p.server.to_owned(), p.peaks.clone()))
-        .collect();
-    if ceilings.iter().any(Option::is_some) {
-        series.push((
-            "redis-benchmark (1 EVALSHA/req)".to_owned(),
-            ceilings
-                .iter()
-                .map(|c| c.map_or(0.0, |c| c.calls_per_second))
-                .collect(),
-        ));
-    }
-    let latency_top = top + panel_h + 110.0;
+        .any(|p| p.h2load_peaks.iter().any(|r| *r > 0.0));
+    let panel_step = panel_h + 110.0;
+    let latency_top = top + panel_step * if with_h2load { 2.0 } else { 1.0 };
     let height = latency_top + panel_h + 70.0;
     let mut svg = String::new();
     let _ = write!(
         svg,
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput ({}x{} in flight, {} limits)</text>
+<text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput, tonic client ({}x{} in flight, {} limits)</text>
 <text x="{left}" y="42" fill="#666">cargo bench --bench grpc; median of {} round(s); redis = Redis store, coalesced; redis-1 = one EVALSHA per request; all share 2 cores</text>
 "##,
         opts.connections, opts.inflight, opts.algorithm, opts.rounds
     );
-    let max_rate = series
-        .iter()
-        .flat_map(|(_, v)| v.iter().copied())
-        .fold(1.0, f64::max);
-    let scale = nice_ceiling(max_rate);
-    axis(&mut svg, left, top, plot_w, panel_h, scale, "req/s");
-    let group_w = plot_w / pools.len() as f64;
-    let bar_w = (group_w * 0.8) / series.len() as f64;
-    for (s, (shape, _)) in pools.iter().enumerate() {
-        let x0 = left + group_w * s as f64 + group_w * 0.1;
-        for (k, (_, values)) in series.iter().enumerate() {
-            let h = panel_h * values[s] / scale;
-            let x = x0 + bar_w * k as f64;
-            let _ = writeln!(
-                svg,
-                r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="{}"><title>{:.0}</title></rect>"#,
-                top + panel_h - h,
-                bar_w * 0.9,
-                PLOT_COLORS[k % PLOT_COLORS.len()],
-                values[s]
-            );
-            if values[s] > 0.0 {
-                let _ = writeln!(
-                    svg,
-                    r#"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{:.1}k</text>"#,
-                    x + bar_w * 0.45,
-                    top + panel_h - h - 3.0,
-                    values[s] / 1000.0
-                );
-            }
-        }
+    bar_panel(&mut svg, (left, top, plot_w, panel_h), &shapes, &tonic);
+    if with_h2load {
         let _ = writeln!(
             svg,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            left + group_w * (s as f64 + 0.5),
-            top + panel_h + 18.0,
-            shape.label()
+            r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Peak throughput, h2load client (C, one client's keys; ceiling on the same keys)</text>"#,
+            top + panel_step - 20.0
+        );
+        bar_panel(
+            &mut svg,
+            (left, top + panel_step, plot_w, panel_h),
+            &shapes,
+            &h2load,
         );
     }
-    legend(&mut svg, left, top + panel_h + 40.0, &series);
 
     let _ = writeln!(
         svg,
@@ -1581,6 +1589,56 @@ fn plot(
     svg
 }
 
+/// Bars of req/s per shape, one per series, with the axis and legend, in the box
+/// `(left, top, width, height)`.
+fn bar_panel(
+    svg: &mut String,
+    (left, top, plot_w, panel_h): (f64, f64, f64, f64),
+    shapes: &[Shape],
+    series: &[(String, Vec<f64>)],
+) {
+    let max_rate = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .fold(1.0, f64::max);
+    let scale = nice_ceiling(max_rate);
+    axis(svg, left, top, plot_w, panel_h, scale, "req/s");
+    let group_w = plot_w / shapes.len() as f64;
+    let bar_w = (group_w * 0.8) / series.len() as f64;
+    for (s, shape) in shapes.iter().enumerate() {
+        let x0 = left + group_w * s as f64 + group_w * 0.1;
+        for (k, (_, values)) in series.iter().enumerate() {
+            let h = panel_h * values[s] / scale;
+            let x = x0 + bar_w * k as f64;
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="{}"><title>{:.0}</title></rect>"#,
+                top + panel_h - h,
+                bar_w * 0.9,
+                PLOT_COLORS[k % PLOT_COLORS.len()],
+                values[s]
+            );
+            if values[s] > 0.0 {
+                let _ = writeln!(
+                    svg,
+                    r#"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{:.1}k</text>"#,
+                    x + bar_w * 0.45,
+                    top + panel_h - h - 3.0,
+                    values[s] / 1000.0
+                );
+            }
+        }
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            left + group_w * (s as f64 + 0.5),
+            top + panel_h + 18.0,
+            shape.label()
+        );
+    }
+    legend(svg, left, top + panel_h + 40.0, series);
+}
+
 /// The smallest 1, 2 or 5 times a power of ten at or above `value`.
 fn nice_ceiling(value: f64) -> f64 {
     let power = 10f64.powf(value.log10().floor());
@@ -1598,7 +1656,8 @@ fn axis(svg: &mut String, left: f64, top: f64, width: f64, height: f64, scale: f
         let label = if value >= 1000.0 {
             format!("{:.0}k", value / 1000.0)
         } else {
-            format!("{value}")
+            // Rounded: steps like 0.02 are not exact in binary.
+            format!("{}", (value * 1000.0).round() / 1000.0)
         };
         let _ = writeln!(
             svg,
