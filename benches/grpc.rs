@@ -852,6 +852,69 @@ fn median_ceiling(rounds: &[Ceiling]) -> Ceiling {
 }
 
 /// Servers whose throughput is compared with the Redis ceiling rather than the baseline.
+/// What `server`'s req/s is a ratio of, round by round: the Redis ceiling (`ceiling`, named)
+/// for the Redis store, the baseline's rounds for the in-process store, nothing for the
+/// baseline itself.
+fn reference_rates<'a>(
+    server: &str,
+    (ceiling_name, ceiling): (&'a str, &[Ceiling]),
+    baseline: Option<&[Phase]>,
+) -> Option<(&'a str, Vec<f64>)> {
+    if uses_redis(server) {
+        (!ceiling.is_empty()).then(|| {
+            (
+                ceiling_name,
+                ceiling.iter().map(|c| c.calls_per_second).collect(),
+            )
+        })
+    } else if server != "baseline" {
+        baseline.map(|rounds| ("baseline", rounds.iter().map(Phase::rate).collect()))
+    } else {
+        None
+    }
+}
+
+/// One summary line for `server` on `shape` in `phase`: its median req/s over the rounds, and
+/// its ratio to the reference (`against`, whose req/s in each round is given), taken round by
+/// round so both sides of a ratio ran within seconds of each other (the machine drifts more
+/// than that between rounds): the median ratio and the range. Then the median round's server
+/// CPU per request, and Redis's (or what rlsd adds to the baseline's).
+fn summary_line(
+    (phase, server, shape): (&str, &str, Shape),
+    rounds: &[Phase],
+    (against, reference): (&str, &[f64]),
+    baseline_cpu: Option<f64>,
+) -> String {
+    let middle = median(rounds);
+    let mut ratios: Vec<f64> = rounds
+        .iter()
+        .zip(reference)
+        .map(|(round, reference)| round.rate() / reference)
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let cpu = per_request(&middle, middle.cpu.server);
+    let mut reference = reference.to_vec();
+    reference.sort_by(f64::total_cmp);
+    format!(
+        "{server:<10} {:<15} {phase:<6} {:>8.0} req/s = {:.2}x {against} (rounds {:.2}-{:.2}x; its median {:.0}/s); server CPU {cpu:.1} µs/req{}",
+        shape.label(),
+        middle.rate(),
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1],
+        reference[reference.len() / 2],
+        match (uses_redis(server), baseline_cpu) {
+            (true, _) => format!(
+                ", Redis CPU {:.1} µs/req",
+                per_request(&middle, middle.cpu.redis)
+            ),
+            // What carries over: the CPU rlsd adds to a server that does nothing.
+            (false, Some(base)) => format!(" (+{:.1} µs over the baseline's)", cpu - base),
+            (false, None) => String::new(),
+        }
+    )
+}
+
 /// `cpu` seconds over the phase, in µs per answered request.
 fn per_request(phase: &Phase, cpu: f64) -> f64 {
     cpu * 1e6 / phase.latencies_us.len().max(1) as f64
@@ -1167,49 +1230,23 @@ fn main() {
             let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
             ceilings[s] =
                 (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
-            let rate_of = |name: &str| {
-                servers
-                    .iter()
-                    .position(|(server, _)| *server == name)
-                    .map(|v| medians[v].rate())
-            };
-            let cpu_of = |v: usize| {
-                medians[v].cpu.server * 1e6 / medians[v].latencies_us.len().max(1) as f64
-            };
-            let baseline_cpu = servers
-                .iter()
-                .position(|(server, _)| *server == "baseline")
-                .map(cpu_of);
+            let baseline = servers.iter().position(|(server, _)| *server == "baseline");
             for (v, (server, _)) in servers.iter().enumerate() {
                 plotted[v].peaks[s] = medians[v].rate();
                 if s == open_shape {
                     own_peak[v] = Some(medians[v].rate());
                 }
-                let versus = if uses_redis(server) {
-                    ceilings[s].map(|c| ("redis-benchmark", c.calls_per_second))
-                } else if *server != "baseline" {
-                    rate_of("baseline").map(|b| ("baseline", b))
-                } else {
-                    None
-                };
-                if let Some((against, rate)) = versus {
-                    summary.push(format!(
-                        "{server:<10} {:<15} peak {:>8.0} req/s = {:.2}x {against} ({rate:.0}/s); server CPU {:.1} µs/req{}",
-                        shape.label(),
-                        medians[v].rate(),
-                        medians[v].rate() / rate,
-                        cpu_of(v),
-                        match (uses_redis(server), baseline_cpu) {
-                            (true, _) => format!(
-                                ", Redis CPU {:.1} µs/req",
-                                medians[v].cpu.redis * 1e6 / medians[v].latencies_us.len().max(1) as f64
-                            ),
-                            // What carries over: the CPU rlsd adds to a server that does nothing.
-                            (false, Some(base)) => {
-                                format!(" (+{:.1} µs over the baseline's)", cpu_of(v) - base)
-                            }
-                            (false, None) => String::new(),
-                        }
+                let reference = reference_rates(
+                    server,
+                    ("redis-benchmark", &ceiling_rounds[s]),
+                    baseline.map(|b| peaks[s][b].as_slice()),
+                );
+                if let Some(reference) = reference {
+                    summary.push(summary_line(
+                        ("peak", server, *shape),
+                        &peaks[s][v],
+                        (reference.0, &reference.1),
+                        baseline.map(|b| per_request(&medians[b], medians[b].cpu.server)),
                     ));
                 }
                 rows.push(Row {
@@ -1277,42 +1314,21 @@ fn main() {
                 if let Some(ceiling) = ceiling {
                     h2load_ceilings.push((*shape, ceiling));
                 }
-                let baseline = addrs
-                    .iter()
-                    .position(|(server, _)| *server == "baseline")
-                    .map(|v| {
-                        (
-                            medians[v].rate(),
-                            per_request(&medians[v], medians[v].cpu.server),
-                        )
-                    });
+                let baseline = addrs.iter().position(|(server, _)| *server == "baseline");
                 for (v, (server, _)) in addrs.iter().enumerate() {
                     let phase = &medians[v];
                     plotted[v].h2load_peaks[s] = phase.rate();
-                    let versus = if uses_redis(server) {
-                        ceiling.map(|c| ("redis-benchmark, same keys", c.calls_per_second))
-                    } else if *server != "baseline" {
-                        baseline.map(|(rate, _)| ("baseline", rate))
-                    } else {
-                        None
-                    };
-                    if let Some((against, rate)) = versus {
-                        let cpu = per_request(phase, phase.cpu.server);
-                        summary.push(format!(
-                            "{server:<10} {:<15} h2load {:>8.0} req/s = {:.2}x {against} ({rate:.0}/s); server CPU {cpu:.1} µs/req{}",
-                            shape.label(),
-                            phase.rate(),
-                            phase.rate() / rate,
-                            match (uses_redis(server), baseline) {
-                                (true, _) => format!(
-                                    ", Redis CPU {:.1} µs/req",
-                                    per_request(phase, phase.cpu.redis)
-                                ),
-                                (false, Some((_, base))) => {
-                                    format!(" (+{:.1} µs over the baseline's)", cpu - base)
-                                }
-                                (false, None) => String::new(),
-                            }
+                    let reference = reference_rates(
+                        server,
+                        ("redis-benchmark, same keys", &ceiling_rounds[s]),
+                        baseline.map(|b| runs[s][b].as_slice()),
+                    );
+                    if let Some(reference) = reference {
+                        summary.push(summary_line(
+                            ("h2load", server, *shape),
+                            &runs[s][v],
+                            (reference.0, &reference.1),
+                            baseline.map(|b| per_request(&medians[b], medians[b].cpu.server)),
                         ));
                     }
                     rows.push(Row {
