@@ -749,11 +749,13 @@ fn runtime(threads: usize, name: &str) -> Runtime {
 
 /// `redis-benchmark -c 50` on the Redis store's script with the keys and arguments rlsd sends
 /// for one request of `shape` (each key's value a random client of 1000): the one EVALSHA per
-/// request ceiling.
+/// request ceiling. With `requests_per_call` above 1, the same for calls as the coalescing
+/// store sends them: what the script costs Redis per decision, without rlsd.
 #[derive(Clone, Copy, Debug, Default)]
 struct Ceiling {
     calls_per_second: f64,
     redis_us_per_call: f64,
+    requests_per_call: usize,
 }
 
 /// Whose keys the ceiling's calls carry.
@@ -767,7 +769,7 @@ enum CeilingKeys {
 
 fn redis_benchmark(
     redis: &Redis,
-    shape: Shape,
+    (shape, requests_per_call): (Shape, usize),
     algorithm: &str,
     seconds: Duration,
     keys: CeilingKeys,
@@ -790,7 +792,8 @@ fn redis_benchmark(
         hits_addend: 0,
     };
     let plan = engine::plan(&config, &request, &KeySettings::default());
-    let command = rlsd::store::redis::script_command(&[plan.checks.as_slice()]);
+    let requests = vec![plan.checks.as_slice(); requests_per_call];
+    let command = rlsd::store::redis::script_command(&requests);
     let mut args: Vec<String> = command
         .args_iter()
         .map(|arg| match arg {
@@ -800,7 +803,7 @@ fn redis_benchmark(
         .collect();
     assert_eq!(args[1], sha, "the store's script is the one loaded");
     if keys == CeilingKeys::Random {
-        for arg in &mut args[3..3 + plan.checks.len()] {
+        for arg in &mut args[3..3 + plan.checks.len() * requests_per_call] {
             // The last entry's value (the client) varies: the same key layout and length
             // class as rlsd's keys, over 1000 values per key.
             let (stem, _) = arg.rsplit_once('=').expect("keys end in =value");
@@ -838,11 +841,12 @@ fn redis_benchmark(
         Ceiling {
             calls_per_second: calls as f64 / elapsed,
             redis_us_per_call: (redis.cpu_us() - cpu) as f64 / calls as f64,
+            requests_per_call,
         }
     };
     // A short run sizes the measured one to about `seconds`.
-    let probe = run(5_000);
-    run(((probe.calls_per_second * seconds.as_secs_f64()) as u64).max(5_000))
+    let probe = run((5_000 / requests_per_call as u64).max(100));
+    run(((probe.calls_per_second * seconds.as_secs_f64()) as u64).max(200))
 }
 
 fn median_ceiling(rounds: &[Ceiling]) -> Ceiling {
@@ -1198,18 +1202,33 @@ fn main() {
         .unwrap_or(0);
     let mut own_peak: Vec<Option<f64>> = vec![None; servers.len()];
     let mut h2load_ceilings: Vec<(Shape, Ceiling)> = Vec::new();
+    // redis-benchmark with coalesced-size calls: Redis's cost per decision without rlsd.
+    let mut batched: Vec<Option<Ceiling>> = vec![None; pools.len()];
 
     // Phase 1: peak, servers (and the redis-benchmark ceiling) alternating within each round.
     if opts.phases.iter().any(|p| p == "peak") {
         let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; pools.len()];
         let mut ceiling_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
+        let mut batched_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
         for round in 0..opts.rounds {
             eprintln!("peak round {}/{}", round + 1, opts.rounds);
             for (s, (shape, requests)) in pools.iter().enumerate() {
                 if let Some(redis) = &redis {
                     ceiling_rounds[s].push(redis_benchmark(
                         redis,
-                        *shape,
+                        (*shape, 1),
+                        algorithm,
+                        opts.seconds,
+                        CeilingKeys::Random,
+                    ));
+                    // As large a call as the coalescing store sends for this shape.
+                    let checks = shape.descriptors();
+                    let per_call = opts
+                        .max_batch
+                        .min(rlsd::store::redis::MAX_BATCH_CHECKS / checks);
+                    batched_rounds[s].push(redis_benchmark(
+                        redis,
+                        (*shape, per_call.max(1)),
                         algorithm,
                         opts.seconds,
                         CeilingKeys::Random,
@@ -1230,6 +1249,9 @@ fn main() {
             let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
             ceilings[s] =
                 (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
+            if !batched_rounds[s].is_empty() {
+                batched[s] = Some(median_ceiling(&batched_rounds[s]));
+            }
             let baseline = servers.iter().position(|(server, _)| *server == "baseline");
             for (v, (server, _)) in servers.iter().enumerate() {
                 plotted[v].peaks[s] = medians[v].rate();
@@ -1287,7 +1309,7 @@ fn main() {
                     if let Some(redis) = &redis {
                         ceiling_rounds[s].push(redis_benchmark(
                             redis,
-                            *shape,
+                            (*shape, 1),
                             algorithm,
                             opts.seconds,
                             CeilingKeys::OneClient,
@@ -1421,6 +1443,19 @@ fn main() {
                 shape.label(),
                 c.calls_per_second,
                 c.redis_us_per_call
+            );
+        }
+    }
+    for (s, (shape, _)) in pools.iter().enumerate() {
+        if let (Some(b), Some(c)) = (batched[s], ceilings[s]) {
+            let per_decision = b.redis_us_per_call / b.requests_per_call as f64;
+            println!(
+                "redis-benchmark -c 50, {} requests per call,  {:<15}: {:>8.0} decisions/s, Redis CPU {:.1} µs/decision ({:.2}x of one request per call)",
+                b.requests_per_call,
+                shape.label(),
+                b.calls_per_second * b.requests_per_call as f64,
+                per_decision,
+                per_decision / c.redis_us_per_call
             );
         }
     }

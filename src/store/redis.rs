@@ -14,7 +14,7 @@ use redis::AsyncConnectionConfig;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use std::sync::atomic::{AtomicBool, Ordering};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 
@@ -112,7 +112,7 @@ fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
 pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// Most checks in one coalesced EVALSHA, however few requests carry them.
-const MAX_BATCH_CHECKS: usize = 256;
+pub const MAX_BATCH_CHECKS: usize = 256;
 
 /// Default number of coalesced calls in flight at once. Two, not more: with fewer calls in
 /// flight each carries more requests, and Redis spends less per decision (3 layers, h2load,
@@ -123,7 +123,7 @@ pub const DEFAULT_PIPELINES: usize = 2;
 pub struct RedisStore {
     caller: Arc<RedisCaller>,
     /// Where requests queue to be coalesced; `None` when every request is its own call.
-    queue: Option<mpsc::Sender<Job>>,
+    queue: Option<Coalescer>,
     command_timeout: Duration,
 }
 
@@ -168,19 +168,21 @@ impl RedisStore {
             fixed_clock: settings.fixed_clock,
         });
         let queue = (settings.max_batch > 1).then(|| {
+            let pipelines = settings.pipelines.max(1);
             // Bounded, so a stalled Redis cannot queue without limit: beyond it callers wait,
             // and their own timeout answers them.
-            let (sender, receiver) =
-                mpsc::channel(settings.max_batch * settings.pipelines.max(1) * 4);
+            let (sender, receiver) = mpsc::channel(settings.max_batch * pipelines * 4);
             let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
-            for _ in 0..settings.pipelines.max(1) {
+            let calls = Arc::new(Semaphore::new(pipelines));
+            for _ in 0..pipelines {
                 tokio::spawn(run_batches(
                     Arc::clone(&caller),
                     Arc::clone(&receiver),
+                    Arc::clone(&calls),
                     settings.max_batch,
                 ));
             }
-            sender
+            Coalescer { sender, calls }
         });
         let store = RedisStore {
             caller,
@@ -212,14 +214,20 @@ impl RedisStore {
         self.caller.ping().await
     }
 
-    /// Decides one request: queued for coalescing, or sent on its own.
+    /// Decides one request: sent on its own when nothing waits and a call slot is free (so
+    /// coalescing adds no hand-off at low load), else queued for the next batch.
     async fn decide_one(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        let Some(queue) = &self.queue else {
-            let mut answers = self.caller.evaluate_batch(&[checks]).await?;
-            return answers
-                .pop()
-                .ok_or_else(|| StoreError::Protocol("no answer for the request".to_owned()));
+        let Some(coalescer) = &self.queue else {
+            return self.caller.evaluate_one(checks).await;
         };
+        let queue = &coalescer.sender;
+        if queue.capacity() == queue.max_capacity() {
+            // The semaphore is fair: while batches wait for a slot, this fails, and the
+            // request joins them.
+            if let Ok(_slot) = coalescer.calls.try_acquire() {
+                return self.caller.evaluate_one(checks).await;
+            }
+        }
         let (reply, answer) = oneshot::channel();
         let job = Job {
             checks: checks.to_vec(),
@@ -238,6 +246,13 @@ impl RedisStore {
         .await
         .map_err(|_| StoreError::Timeout(self.command_timeout))?
     }
+}
+
+/// Coalescing: the queue batches are drawn from, and the slots for calls in flight (one per
+/// pipeline), shared by batches and by requests sent on their own.
+struct Coalescer {
+    sender: mpsc::Sender<Job>,
+    calls: Arc<Semaphore>,
 }
 
 /// How the store reaches its Redis.
@@ -354,6 +369,14 @@ impl RedisCaller {
             tokio::time::timeout(self.command_timeout, ping).await,
             Ok(Ok(_))
         )
+    }
+
+    /// Decides one request in its own EVALSHA.
+    async fn evaluate_one(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+        let mut answers = self.evaluate_batch(&[checks]).await?;
+        answers
+            .pop()
+            .ok_or_else(|| StoreError::Protocol("no answer for the request".to_owned()))
     }
 
     /// Decides several requests in one EVALSHA; each stays atomic and all-or-nothing, and later
@@ -482,34 +505,37 @@ struct Job {
     reply: oneshot::Sender<Result<Vec<Outcome>, StoreError>>,
 }
 
-/// Runs batches: takes whatever requests queued while the previous call was in flight (at
-/// least one, at most `max_batch`), so a lone request goes out at once and a busy server sends
-/// fewer, larger calls.
+/// Runs batches: waits for a request, then for a free call slot, then takes whatever else
+/// queued meanwhile (at most `max_batch` requests), so a busy server sends fewer, larger calls.
 async fn run_batches(
     store: Arc<RedisCaller>,
     queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    calls: Arc<Semaphore>,
     max_batch: usize,
 ) {
     loop {
-        let mut jobs = Vec::new();
-        {
-            let mut queue = queue.lock().await;
-            let Some(first) = queue.recv().await else {
-                return;
-            };
-            let mut checks = first.checks.len();
-            jobs.push(first);
-            // Bounded by requests and by checks, so one call stays short for Redis.
-            while jobs.len() < max_batch && checks < MAX_BATCH_CHECKS {
-                match queue.try_recv() {
-                    Ok(job) => {
-                        checks += job.checks.len();
-                        jobs.push(job);
-                    }
-                    Err(_) => break,
+        // The lock is held while waiting for a slot too: no other batch could go out before a
+        // slot frees anyway, and the batch then takes everything that queued meanwhile.
+        let mut waiting = queue.lock().await;
+        let Some(first) = waiting.recv().await else {
+            return;
+        };
+        let Ok(_slot) = calls.acquire().await else {
+            return;
+        };
+        let mut checks = first.checks.len();
+        let mut jobs = vec![first];
+        // Bounded by requests and by checks, so one call stays short for Redis.
+        while jobs.len() < max_batch && checks < MAX_BATCH_CHECKS {
+            match waiting.try_recv() {
+                Ok(job) => {
+                    checks += job.checks.len();
+                    jobs.push(job);
                 }
+                Err(_) => break,
             }
         }
+        drop(waiting);
         // A caller that gave up (its own timeout) is not decided late.
         jobs.retain(|job| !job.reply.is_closed());
         if jobs.is_empty() {
