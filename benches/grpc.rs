@@ -856,6 +856,41 @@ fn median_ceiling(rounds: &[Ceiling]) -> Ceiling {
 }
 
 /// Servers whose throughput is compared with the Redis ceiling rather than the baseline.
+/// The medians of a peak phase's rounds on `shape`, one per server (named in `names`), with a
+/// table row and a summary line each.
+fn peak_results(
+    (phase, shape, names): (&str, Shape, &[&'static str]),
+    rounds: &[Vec<Phase>],
+    ceiling: (&str, &[Ceiling]),
+    opts: &Opts,
+    (summary, rows): (&mut Vec<String>, &mut Vec<Row>),
+) -> Vec<Phase> {
+    let medians: Vec<Phase> = rounds.iter().map(|r| median(r)).collect();
+    let baseline = names.iter().position(|server| *server == "baseline");
+    for (v, server) in names.iter().enumerate() {
+        let reference = reference_rates(server, ceiling, baseline.map(|b| rounds[b].as_slice()));
+        if let Some((against, reference)) = reference {
+            summary.push(summary_line(
+                (phase, server, shape),
+                &rounds[v],
+                (against, &reference),
+                baseline.map(|b| per_request(&medians[b], medians[b].cpu.server)),
+            ));
+        }
+        rows.push(Row {
+            phase: format!(
+                "{phase}, {}, {}x{}",
+                shape.label(),
+                opts.connections,
+                opts.inflight
+            ),
+            server,
+            result: medians[v].clone(),
+        });
+    }
+    medians
+}
+
 /// What `server`'s req/s is a ratio of, round by round: the Redis ceiling (`ceiling`, named)
 /// for the Redis store, the baseline's rounds for the in-process store, nothing for the
 /// baseline itself.
@@ -1154,6 +1189,7 @@ fn main() {
         servers
     });
 
+    let names: Vec<&'static str> = servers.iter().map(|(name, _)| *name).collect();
     println!(
         "# rlsd gRPC bench: {} connections x {} in flight, {:.1} s per phase, {} round(s), {} limits, {}",
         opts.connections,
@@ -1246,41 +1282,23 @@ fn main() {
             }
         }
         for (s, (shape, _)) in pools.iter().enumerate() {
-            let medians: Vec<Phase> = peaks[s].iter().map(|p| median(p)).collect();
+            let medians = peak_results(
+                ("peak", *shape, &names),
+                &peaks[s],
+                ("redis-benchmark", &ceiling_rounds[s]),
+                &opts,
+                (&mut summary, &mut rows),
+            );
             ceilings[s] =
                 (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
             if !batched_rounds[s].is_empty() {
                 batched[s] = Some(median_ceiling(&batched_rounds[s]));
             }
-            let baseline = servers.iter().position(|(server, _)| *server == "baseline");
-            for (v, (server, _)) in servers.iter().enumerate() {
-                plotted[v].peaks[s] = medians[v].rate();
+            for (v, phase) in medians.iter().enumerate() {
+                plotted[v].peaks[s] = phase.rate();
                 if s == open_shape {
-                    own_peak[v] = Some(medians[v].rate());
+                    own_peak[v] = Some(phase.rate());
                 }
-                let reference = reference_rates(
-                    server,
-                    ("redis-benchmark", &ceiling_rounds[s]),
-                    baseline.map(|b| peaks[s][b].as_slice()),
-                );
-                if let Some(reference) = reference {
-                    summary.push(summary_line(
-                        ("peak", server, *shape),
-                        &peaks[s][v],
-                        (reference.0, &reference.1),
-                        baseline.map(|b| per_request(&medians[b], medians[b].cpu.server)),
-                    ));
-                }
-                rows.push(Row {
-                    phase: format!(
-                        "peak, {}, {}x{}",
-                        shape.label(),
-                        opts.connections,
-                        opts.inflight
-                    ),
-                    server,
-                    result: medians[v].clone(),
-                });
             }
         }
     }
@@ -1330,39 +1348,18 @@ fn main() {
             }
             let _ = std::fs::remove_dir_all(&dir);
             for (s, (shape, _)) in pools.iter().enumerate() {
-                let medians: Vec<Phase> = runs[s].iter().map(|p| median(p)).collect();
-                let ceiling =
-                    (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
-                if let Some(ceiling) = ceiling {
-                    h2load_ceilings.push((*shape, ceiling));
+                let medians = peak_results(
+                    ("h2load", *shape, &names),
+                    &runs[s],
+                    ("redis-benchmark, same keys", &ceiling_rounds[s]),
+                    &opts,
+                    (&mut summary, &mut rows),
+                );
+                if !ceiling_rounds[s].is_empty() {
+                    h2load_ceilings.push((*shape, median_ceiling(&ceiling_rounds[s])));
                 }
-                let baseline = addrs.iter().position(|(server, _)| *server == "baseline");
-                for (v, (server, _)) in addrs.iter().enumerate() {
-                    let phase = &medians[v];
+                for (v, phase) in medians.iter().enumerate() {
                     plotted[v].h2load_peaks[s] = phase.rate();
-                    let reference = reference_rates(
-                        server,
-                        ("redis-benchmark, same keys", &ceiling_rounds[s]),
-                        baseline.map(|b| runs[s][b].as_slice()),
-                    );
-                    if let Some(reference) = reference {
-                        summary.push(summary_line(
-                            ("h2load", server, *shape),
-                            &runs[s][v],
-                            (reference.0, &reference.1),
-                            baseline.map(|b| per_request(&medians[b], medians[b].cpu.server)),
-                        ));
-                    }
-                    rows.push(Row {
-                        phase: format!(
-                            "h2load, {}, {}x{}",
-                            shape.label(),
-                            opts.connections,
-                            opts.inflight
-                        ),
-                        server,
-                        result: phase.clone(),
-                    });
                 }
             }
         } else {
