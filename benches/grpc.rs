@@ -40,15 +40,22 @@
 //!    0's), so this phase's ceiling is `redis-benchmark` on client 0's keys. h2load sees only
 //!    HTTP status, so rlsd's answers are checked against its own counters: one hit counted
 //!    per descriptor of every answered request, no over-limit, failure-mode or invalid answer;
-//! 3. open loop on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
-//!    server's own peak (or `RLSD_BENCH_OPEN_RATE` req/s for all). A pacer thread releases each
-//!    request at its scheduled time as its own task (it sleeps with `std::thread::sleep`, ~60 µs
-//!    granularity, because tokio timers tick in whole ms), and latency runs from the *scheduled*
-//!    time, so a server that stalls cannot hide the queueing it causes (no coordinated
-//!    omission). "lag p99" is how late requests actually started on the client runtime;
-//! 4. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
+//! 3. raw: the peak again, driven by the bench's lean client (`support/rawh2.rs`: HTTP/2 by
+//!    hand, one thread, non-blocking sockets, every answer decoded and checked) with the same
+//!    connections and streams, cycling through all 1000 clients like the tonic client. It
+//!    costs a fifth of the tonic client's CPU per request, so its ceiling is the ordinary one;
+//! 4. open loops on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
+//!    server's own peak with that client (or `RLSD_BENCH_OPEN_RATE` req/s for all), with
+//!    latency from the *scheduled* time, so a server that stalls cannot hide the queueing it
+//!    causes (no coordinated omission); "lag p99" is how late requests actually left:
+//!    - `open`, the tonic client: a pacer thread releases each request as its own task (it
+//!      sleeps with `std::thread::sleep`, ~60 µs granularity, because tokio timers tick in
+//!      whole ms);
+//!    - `raw-open`, the lean client: it paces itself with `ppoll` and a 1 µs timer slack,
+//!      sending on `RLSD_BENCH_CONNECTIONS` connections round robin;
+//! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
 //!
-//! `RLSD_BENCH_PHASES` (peak,h2load,open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
+//! `RLSD_BENCH_PHASES` (peak,h2load,raw,open,raw-open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
 //! tool prints a table of every phase (req/s, p50/p99/p999/max, answers by kind, server and
 //! client CPU per request), the ceilings, one summary line per server and shape (ratio, server
 //! CPU and Redis CPU per request), and writes an SVG plot of peak req/s by shape and latency at
@@ -86,6 +93,8 @@ use std::time::{Duration, Instant};
 
 #[path = "support/h2load.rs"]
 mod h2load;
+#[path = "support/rawh2.rs"]
+mod rawh2;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 #[path = "support/workload.rs"]
@@ -164,10 +173,13 @@ impl Opts {
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
-            phases: var("RLSD_BENCH_PHASES", "peak,h2load,open,single".to_owned())
-                .split(',')
-                .map(|p| p.trim().to_owned())
-                .collect(),
+            phases: var(
+                "RLSD_BENCH_PHASES",
+                "peak,h2load,raw,open,raw-open,single".to_owned(),
+            )
+            .split(',')
+            .map(|p| p.trim().to_owned())
+            .collect(),
             open_rate: std::env::var("RLSD_BENCH_OPEN_RATE")
                 .ok()
                 .map(|s| s.parse().expect("RLSD_BENCH_OPEN_RATE is requests/s")),
@@ -365,8 +377,19 @@ struct Counts {
 impl Counts {
     fn record(&mut self, descriptors: usize, result: &Result<Response<RateLimitResponse>, Status>) {
         match result {
-            Ok(response) => {
-                let r = response.get_ref();
+            Ok(response) => self.record_answer(descriptors, Ok(response.get_ref())),
+            Err(status) => self.record_answer(descriptors, Err(status)),
+        }
+    }
+
+    /// One answer (or the error in its place) to a request of `descriptors` descriptors.
+    fn record_answer(
+        &mut self,
+        descriptors: usize,
+        answer: Result<&RateLimitResponse, &dyn std::fmt::Display>,
+    ) {
+        match answer {
+            Ok(r) => {
                 let all_ok = r.statuses.len() == descriptors
                     && r.statuses.iter().all(|s| s.code == i32::from(Code::Ok));
                 if r.overall_code == i32::from(Code::Ok) && all_ok {
@@ -379,10 +402,10 @@ impl Counts {
                         .get_or_insert_with(|| format!("wrong answer: {r:?}"));
                 }
             }
-            Err(status) => {
+            Err(error) => {
                 self.errors += 1;
                 self.first_problem
-                    .get_or_insert_with(|| format!("error: {status}"));
+                    .get_or_insert_with(|| format!("error: {error}"));
             }
         }
     }
@@ -406,6 +429,18 @@ struct Cpu {
     total: f64,
     /// The bench's redis-server, when there is one.
     redis: f64,
+}
+
+impl Cpu {
+    /// What was used from `begin` to `self`.
+    fn since(self, begin: Cpu) -> Cpu {
+        Cpu {
+            server: self.server - begin.server,
+            client: self.client - begin.client,
+            total: self.total - begin.total,
+            redis: self.redis - begin.redis,
+        }
+    }
 }
 
 /// The redis-server whose CPU the phases count.
@@ -536,12 +571,7 @@ async fn closed_loop(
         lag_us: Vec::new(),
         counts: Counts::default(),
         wall: seconds,
-        cpu: Cpu {
-            server: cpu_end.server - cpu_begin.server,
-            client: cpu_end.client - cpu_begin.client,
-            total: cpu_end.total - cpu_begin.total,
-            redis: cpu_end.redis - cpu_begin.redis,
-        },
+        cpu: cpu_end.since(cpu_begin),
     };
     for worker in workers {
         let (latencies, counts) = worker.await.expect("worker");
@@ -638,12 +668,7 @@ fn open_loop(
         lag_us: std::mem::take(&mut shared.lags),
         counts: shared.counts.clone(),
         wall: seconds,
-        cpu: Cpu {
-            server: cpu_end.server - cpu_begin.server,
-            client: cpu_end.client - cpu_begin.client,
-            total: cpu_end.total - cpu_begin.total,
-            redis: cpu_end.redis - cpu_begin.redis,
-        },
+        cpu: cpu_end.since(cpu_begin),
     };
     phase.sort();
     phase
@@ -1067,27 +1092,192 @@ fn h2load_phase(
         counts,
         wall: Duration::from_secs_f64(run.seconds),
         cpu: Cpu {
-            server: cpu_end.server - cpu_begin.server,
             client: run.cpu_seconds,
-            total: cpu_end.total - cpu_begin.total,
-            redis: cpu_end.redis - cpu_begin.redis,
+            ..cpu_end.since(cpu_begin)
         },
     }
+}
+
+/// One run of the lean client (`support/rawh2.rs`) on `addr`, on a thread of its own named as
+/// a client thread (so its CPU is the client's), sending `pool` in turn.
+fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> Phase {
+    let bodies: Vec<Vec<u8>> = pool.iter().map(h2load::grpc_body).collect();
+    let mut latencies_us = Vec::with_capacity(1 << 20);
+    let mut lag_us = Vec::new();
+    let mut counts = Counts::default();
+    let paced = load.rate.is_some();
+    let run = std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("bench-client-raw".to_owned())
+            .spawn_scoped(scope, || {
+                rawh2::run(addr, &bodies, &load, cpu_now, |done| {
+                    latencies_us.push(done.latency_us);
+                    if paced {
+                        lag_us.push(done.lag_us);
+                    }
+                    let descriptors = pool[done.request].descriptors.len();
+                    match &done.answer {
+                        Ok(answer) => counts.record_answer(descriptors, Ok(answer)),
+                        Err(error) => counts.record_answer(descriptors, Err(error)),
+                    }
+                })
+            })
+            .expect("raw client thread")
+            .join()
+            .expect("raw client")
+    })
+    .unwrap_or_else(|error| panic!("raw client on {addr}: {error}"));
+    if run.unanswered > 0 {
+        counts.errors += run.unanswered as u64;
+        counts
+            .first_problem
+            .get_or_insert_with(|| format!("{} requests never answered", run.unanswered));
+    }
+    if paced && run.max_outstanding > 1000 {
+        println!(
+            "note: raw open loop reached {} requests outstanding (server fell behind)",
+            run.max_outstanding
+        );
+    }
+    let mut phase = Phase {
+        latencies_us,
+        lag_us,
+        counts,
+        wall: load.seconds,
+        cpu: run.end.since(run.begin),
+    };
+    phase.sort();
+    phase
 }
 
 fn uses_redis(server: &str) -> bool {
     server.starts_with("redis")
 }
 
+/// The load generators the peak and open-loop phases run with, in the order tables and the
+/// plot show them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Driver {
+    /// The bench's own tonic clients.
+    Tonic,
+    /// nghttp2's h2load (C), one fixed body per shape.
+    H2load,
+    /// The lean hand-written HTTP/2 client of `support/rawh2.rs`.
+    Raw,
+}
+
+impl Driver {
+    const ALL: [Driver; 3] = [Driver::Tonic, Driver::H2load, Driver::Raw];
+
+    /// Its peak phase's name in `RLSD_BENCH_PHASES` and in tables.
+    fn phase(self) -> &'static str {
+        match self {
+            Driver::Tonic => "peak",
+            Driver::H2load => "h2load",
+            Driver::Raw => "raw",
+        }
+    }
+
+    /// Its open-loop phase's name, when it has one (h2load's `--rps` sends in bursts).
+    fn open_phase(self) -> Option<&'static str> {
+        match self {
+            Driver::Tonic => Some("open"),
+            Driver::H2load => None,
+            Driver::Raw => Some("raw-open"),
+        }
+    }
+
+    /// Whose keys its ceiling carries: the keys its requests carry.
+    fn ceiling_keys(self) -> CeilingKeys {
+        match self {
+            Driver::H2load => CeilingKeys::OneClient,
+            Driver::Tonic | Driver::Raw => CeilingKeys::Random,
+        }
+    }
+
+    fn ceiling_name(self) -> &'static str {
+        match self.ceiling_keys() {
+            CeilingKeys::Random => "redis-benchmark",
+            CeilingKeys::OneClient => "redis-benchmark, same keys",
+        }
+    }
+
+    /// How the plot names the client.
+    fn title(self) -> &'static str {
+        match self {
+            Driver::Tonic => "tonic client",
+            Driver::H2load => "h2load client (C, one client's keys; ceiling on the same keys)",
+            Driver::Raw => "lean client (hand-written HTTP/2, one thread)",
+        }
+    }
+}
+
+/// A peak phase's measurements, by shape: every server's rounds, the ceiling's rounds and
+/// (with the tonic client) the rounds of `redis-benchmark` with coalesced-size calls.
+struct PeakRounds {
+    runs: Vec<Vec<Vec<Phase>>>,
+    ceilings: Vec<Vec<Ceiling>>,
+    batched: Vec<Vec<Ceiling>>,
+}
+
+/// Runs `opts.rounds` rounds of `driver`'s peak phase: in each round and for each shape, the
+/// ceiling on the keys that client sends, then `drive(shape, server)` for every server.
+fn peak_rounds(
+    driver: Driver,
+    (shapes, servers): (&[Shape], usize),
+    redis: Option<&Redis>,
+    opts: &Opts,
+    mut drive: impl FnMut(usize, usize) -> Phase,
+) -> PeakRounds {
+    let mut rounds = PeakRounds {
+        runs: vec![vec![Vec::new(); servers]; shapes.len()],
+        ceilings: vec![Vec::new(); shapes.len()],
+        batched: vec![Vec::new(); shapes.len()],
+    };
+    for round in 0..opts.rounds {
+        eprintln!("{} round {}/{}", driver.phase(), round + 1, opts.rounds);
+        for (s, shape) in shapes.iter().enumerate() {
+            if let Some(redis) = redis {
+                let (algorithm, seconds, keys) =
+                    (&opts.algorithm, opts.seconds, driver.ceiling_keys());
+                rounds.ceilings[s].push(redis_benchmark(
+                    redis,
+                    (*shape, 1),
+                    algorithm,
+                    seconds,
+                    keys,
+                ));
+                if driver == Driver::Tonic {
+                    // As large a call as the coalescing store sends for this shape.
+                    let per_call = opts
+                        .max_batch
+                        .min(rlsd::store::redis::MAX_BATCH_CHECKS / shape.descriptors())
+                        .max(1);
+                    rounds.batched[s].push(redis_benchmark(
+                        redis,
+                        (*shape, per_call),
+                        algorithm,
+                        seconds,
+                        keys,
+                    ));
+                }
+            }
+            for v in 0..servers {
+                rounds.runs[s][v].push(drive(s, v));
+            }
+        }
+    }
+    rounds
+}
+
 /// What the plot shows of one server.
 struct Plotted {
     server: &'static str,
-    /// Peak req/s by shape, in `opts.shapes` order.
-    peaks: Vec<f64>,
-    /// The same, driven by h2load (0 where not measured).
-    h2load_peaks: Vec<f64>,
-    /// p50, p99 and p999 (ms) in the open loop at the first open fraction of its own peak.
-    open: Option<[f64; 3]>,
+    /// Peak req/s by driver, then by shape in `opts.shapes` order (0 where not measured).
+    peaks: Vec<Vec<f64>>,
+    /// By driver: p50, p99 and p999 (ms) in the open loop at the first open fraction of its
+    /// own peak.
+    open: Vec<Option<[f64; 3]>>,
 }
 
 fn main() {
@@ -1221,14 +1411,13 @@ fn main() {
 
     let mut rows = Vec::new();
     let mut summary = Vec::new();
-    let mut ceilings: Vec<Option<Ceiling>> = vec![None; pools.len()];
+    let shapes: Vec<Shape> = pools.iter().map(|(shape, _)| *shape).collect();
     let mut plotted: Vec<Plotted> = servers
         .iter()
         .map(|(server, _)| Plotted {
             server,
-            peaks: vec![0.0; pools.len()],
-            h2load_peaks: vec![0.0; pools.len()],
-            open: None,
+            peaks: vec![vec![0.0; pools.len()]; Driver::ALL.len()],
+            open: vec![None; Driver::ALL.len()],
         })
         .collect();
     // The shape the open-loop and latency phases use: three layers when measured.
@@ -1236,173 +1425,149 @@ fn main() {
         .iter()
         .position(|(shape, _)| *shape == Shape::ThreeLayer)
         .unwrap_or(0);
-    let mut own_peak: Vec<Option<f64>> = vec![None; servers.len()];
-    let mut h2load_ceilings: Vec<(Shape, Ceiling)> = Vec::new();
+    // By driver: each server's peak on the open-loop shape, and the ceiling by shape.
+    let mut own_peak: Vec<Vec<Option<f64>>> = vec![vec![None; servers.len()]; Driver::ALL.len()];
+    let mut ceilings: Vec<Vec<Option<Ceiling>>> = vec![vec![None; pools.len()]; Driver::ALL.len()];
     // redis-benchmark with coalesced-size calls: Redis's cost per decision without rlsd.
     let mut batched: Vec<Option<Ceiling>> = vec![None; pools.len()];
 
-    // Phase 1: peak, servers (and the redis-benchmark ceiling) alternating within each round.
-    if opts.phases.iter().any(|p| p == "peak") {
-        let mut peaks: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); servers.len()]; pools.len()];
-        let mut ceiling_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
-        let mut batched_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
-        for round in 0..opts.rounds {
-            eprintln!("peak round {}/{}", round + 1, opts.rounds);
-            for (s, (shape, requests)) in pools.iter().enumerate() {
-                if let Some(redis) = &redis {
-                    ceiling_rounds[s].push(redis_benchmark(
-                        redis,
-                        (*shape, 1),
-                        algorithm,
-                        opts.seconds,
-                        CeilingKeys::Random,
-                    ));
-                    // As large a call as the coalescing store sends for this shape.
-                    let checks = shape.descriptors();
-                    let per_call = opts
-                        .max_batch
-                        .min(rlsd::store::redis::MAX_BATCH_CHECKS / checks);
-                    batched_rounds[s].push(redis_benchmark(
-                        redis,
-                        (*shape, per_call.max(1)),
-                        algorithm,
-                        opts.seconds,
-                        CeilingKeys::Random,
-                    ));
-                }
-                for (v, (_, clients)) in servers.iter().enumerate() {
-                    let phase = client_rt.block_on(closed_loop(
-                        clients,
-                        opts.inflight,
-                        Arc::clone(requests),
-                        opts.seconds,
-                    ));
-                    peaks[s][v].push(phase);
-                }
-            }
+    // The peak phases: closed loop, servers (and the redis-benchmark ceiling) alternating
+    // within each round, once per load generator.
+    let h2load_dir = std::env::temp_dir().join(format!("rlsd-bench-{}", std::process::id()));
+    for (d, driver) in Driver::ALL.into_iter().enumerate() {
+        if !opts.phases.iter().any(|p| p == driver.phase()) {
+            continue;
         }
-        for (s, (shape, _)) in pools.iter().enumerate() {
+        let redis = redis.as_ref();
+        let rounds = match driver {
+            Driver::Tonic => peak_rounds(driver, (&shapes, servers.len()), redis, &opts, |s, v| {
+                client_rt.block_on(closed_loop(
+                    &servers[v].1,
+                    opts.inflight,
+                    Arc::clone(&pools[s].1),
+                    opts.seconds,
+                ))
+            }),
+            Driver::H2load if !h2load::installed() => {
+                println!(
+                    "note: h2load is not installed (Debian package nghttp2-client): the h2load phase is skipped"
+                );
+                continue;
+            }
+            Driver::H2load => {
+                std::fs::create_dir_all(&h2load_dir).expect("bench temp dir");
+                let log = h2load_dir.join("h2load.log");
+                let bodies: Vec<PathBuf> = pools
+                    .iter()
+                    .map(|(shape, requests)| {
+                        let path = h2load_dir.join(format!("body-{}.bin", shape.descriptors()));
+                        std::fs::write(&path, h2load::grpc_body(&requests[0])).expect("body file");
+                        path
+                    })
+                    .collect();
+                peak_rounds(driver, (&shapes, servers.len()), redis, &opts, |s, v| {
+                    let (addr, metrics) = &addrs[v].1;
+                    h2load_phase(
+                        *addr,
+                        metrics.as_deref(),
+                        &bodies[s],
+                        shapes[s].descriptors(),
+                        &opts,
+                        &log,
+                    )
+                })
+            }
+            Driver::Raw => peak_rounds(driver, (&shapes, servers.len()), redis, &opts, |s, v| {
+                let load = rawh2::Load {
+                    connections: opts.connections,
+                    streams: opts.inflight,
+                    rate: None,
+                    warmup: WARMUP,
+                    seconds: opts.seconds,
+                };
+                raw_phase(addrs[v].1.0, &pools[s].1, load)
+            }),
+        };
+        for (s, shape) in shapes.iter().enumerate() {
             let medians = peak_results(
-                ("peak", *shape, &names),
-                &peaks[s],
-                ("redis-benchmark", &ceiling_rounds[s]),
+                (driver.phase(), *shape, &names),
+                &rounds.runs[s],
+                (driver.ceiling_name(), &rounds.ceilings[s]),
                 &opts,
                 (&mut summary, &mut rows),
             );
-            ceilings[s] =
-                (!ceiling_rounds[s].is_empty()).then(|| median_ceiling(&ceiling_rounds[s]));
-            if !batched_rounds[s].is_empty() {
-                batched[s] = Some(median_ceiling(&batched_rounds[s]));
+            if !rounds.ceilings[s].is_empty() {
+                ceilings[d][s] = Some(median_ceiling(&rounds.ceilings[s]));
+            }
+            if !rounds.batched[s].is_empty() {
+                batched[s] = Some(median_ceiling(&rounds.batched[s]));
             }
             for (v, phase) in medians.iter().enumerate() {
-                plotted[v].peaks[s] = phase.rate();
+                plotted[v].peaks[d][s] = phase.rate();
                 if s == open_shape {
-                    own_peak[v] = Some(phase.rate());
+                    own_peak[d][v] = Some(phase.rate());
                 }
             }
         }
     }
+    let _ = std::fs::remove_dir_all(&h2load_dir);
 
-    // Phase 1b: peak again, driven by h2load (C) instead of the tonic client, so the load
-    // generator takes as little of the two cores as redis-benchmark does for the ceiling. One
-    // fixed body per shape (client 0's), so its ceiling runs on client 0's keys too.
-    if opts.phases.iter().any(|p| p == "h2load") {
-        if h2load::installed() {
-            let dir = std::env::temp_dir().join(format!("rlsd-bench-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("bench temp dir");
-            let log = dir.join("h2load.log");
-            let bodies: Vec<PathBuf> = pools
-                .iter()
-                .map(|(shape, requests)| {
-                    let path = dir.join(format!("body-{}.bin", shape.descriptors()));
-                    std::fs::write(&path, h2load::grpc_body(&requests[0])).expect("body file");
-                    path
-                })
-                .collect();
-            let mut runs: Vec<Vec<Vec<Phase>>> = vec![vec![Vec::new(); addrs.len()]; pools.len()];
-            let mut ceiling_rounds: Vec<Vec<Ceiling>> = vec![Vec::new(); pools.len()];
-            for round in 0..opts.rounds {
-                eprintln!("h2load round {}/{}", round + 1, opts.rounds);
-                for (s, (shape, _)) in pools.iter().enumerate() {
-                    if let Some(redis) = &redis {
-                        ceiling_rounds[s].push(redis_benchmark(
-                            redis,
-                            (*shape, 1),
-                            algorithm,
-                            opts.seconds,
-                            CeilingKeys::OneClient,
-                        ));
-                    }
-                    for (v, (_, (addr, metrics))) in addrs.iter().enumerate() {
-                        let phase = h2load_phase(
-                            *addr,
-                            metrics.as_deref(),
-                            &bodies[s],
-                            shape.descriptors(),
-                            &opts,
-                            &log,
-                        );
-                        runs[s][v].push(phase);
-                    }
-                }
-            }
-            let _ = std::fs::remove_dir_all(&dir);
-            for (s, (shape, _)) in pools.iter().enumerate() {
-                let medians = peak_results(
-                    ("h2load", *shape, &names),
-                    &runs[s],
-                    ("redis-benchmark, same keys", &ceiling_rounds[s]),
-                    &opts,
-                    (&mut summary, &mut rows),
-                );
-                if !ceiling_rounds[s].is_empty() {
-                    h2load_ceilings.push((*shape, median_ceiling(&ceiling_rounds[s])));
-                }
-                for (v, phase) in medians.iter().enumerate() {
-                    plotted[v].h2load_peaks[s] = phase.rate();
-                }
-            }
-        } else {
-            println!(
-                "note: h2load is not installed (Debian package nghttp2-client): the h2load phase is skipped"
-            );
+    // Open loops at fractions of each server's own peak with that client (or a fixed rate),
+    // on the three-layer shape: the tonic client with a pacer thread of its own (counted as
+    // client CPU), and the lean client pacing itself.
+    for (d, driver) in Driver::ALL.into_iter().enumerate() {
+        let Some(phase_name) = driver.open_phase() else {
+            continue;
+        };
+        if !opts.phases.iter().any(|p| p == phase_name) {
+            continue;
         }
-    }
-
-    // Phase 2: open loop at fractions of each server's own peak (or a fixed rate), on the
-    // three-layer shape; the pacer is a thread of its own, counted as client CPU.
-    if opts.phases.iter().any(|p| p == "open") {
         let (shape, requests) = &pools[open_shape];
         for (f, fraction) in opts.open_fractions.iter().enumerate() {
             for (v, (server, clients)) in servers.iter().enumerate() {
-                let rate = match (opts.open_rate, own_peak[v]) {
+                let peak = own_peak[d][v].or(own_peak[0][v]);
+                let rate = match (opts.open_rate, peak) {
                     (Some(rate), _) => rate,
                     (None, Some(peak)) => peak * fraction,
                     (None, None) => 5_000.0,
                 };
-                eprintln!("open loop {server} at {rate:.0}/s");
-                let handle = client_rt.handle().clone();
-                let requests = Arc::clone(requests);
-                let seconds = opts.seconds;
-                let phase = std::thread::scope(|scope| {
-                    std::thread::Builder::new()
-                        .name("bench-client-pacer".to_owned())
-                        .spawn_scoped(scope, || {
-                            open_loop(&handle, clients, requests, rate, seconds)
+                eprintln!("{phase_name} {server} at {rate:.0}/s");
+                let phase = match driver {
+                    Driver::Raw => {
+                        let load = rawh2::Load {
+                            connections: opts.connections,
+                            streams: 1000,
+                            rate: Some(rate),
+                            warmup: WARMUP,
+                            seconds: opts.seconds,
+                        };
+                        raw_phase(addrs[v].1.0, requests, load)
+                    }
+                    _ => {
+                        let handle = client_rt.handle().clone();
+                        let requests = Arc::clone(requests);
+                        let seconds = opts.seconds;
+                        std::thread::scope(|scope| {
+                            std::thread::Builder::new()
+                                .name("bench-client-pacer".to_owned())
+                                .spawn_scoped(scope, || {
+                                    open_loop(&handle, clients, requests, rate, seconds)
+                                })
+                                .expect("pacer thread")
+                                .join()
+                                .expect("pacer")
                         })
-                        .expect("pacer thread")
-                        .join()
-                        .expect("pacer")
-                });
+                    }
+                };
                 if f == 0 {
                     let l = &phase.latencies_us;
-                    plotted[v].open = Some([0.5, 0.99, 0.999].map(|q| Phase::percentile(l, q)));
+                    plotted[v].open[d] = Some([0.5, 0.99, 0.999].map(|q| Phase::percentile(l, q)));
                 }
-                let share = own_peak[v].map_or(String::new(), |peak| {
+                let share = peak.map_or(String::new(), |peak| {
                     format!(" ({:.0}% pk)", 100.0 * rate / peak)
                 });
                 rows.push(Row {
-                    phase: format!("open {rate:.0}/s{share}, {}", shape.label()),
+                    phase: format!("{phase_name} {rate:.0}/s{share}, {}", shape.label()),
                     server,
                     result: phase,
                 });
@@ -1433,21 +1598,25 @@ fn main() {
     println!();
     print_rows(&rows, opts.shared);
     println!();
-    for (s, (shape, _)) in pools.iter().enumerate() {
-        if let Some(c) = ceilings[s] {
-            println!(
-                "redis-benchmark -c 50, same script and keys, {:<15}: {:>8.0} calls/s, Redis CPU {:.1} µs/call",
-                shape.label(),
-                c.calls_per_second,
-                c.redis_us_per_call
-            );
+    for (d, driver) in Driver::ALL.into_iter().enumerate() {
+        for (s, shape) in shapes.iter().enumerate() {
+            if let Some(c) = ceilings[d][s] {
+                println!(
+                    "{:<26} ({:<6} rounds) {:<15}: {:>8.0} calls/s, Redis CPU {:.1} µs/call",
+                    driver.ceiling_name(),
+                    driver.phase(),
+                    shape.label(),
+                    c.calls_per_second,
+                    c.redis_us_per_call
+                );
+            }
         }
     }
-    for (s, (shape, _)) in pools.iter().enumerate() {
-        if let (Some(b), Some(c)) = (batched[s], ceilings[s]) {
+    for (s, shape) in shapes.iter().enumerate() {
+        if let (Some(b), Some(c)) = (batched[s], ceilings[0][s]) {
             let per_decision = b.redis_us_per_call / b.requests_per_call as f64;
             println!(
-                "redis-benchmark -c 50, {} requests per call,  {:<15}: {:>8.0} decisions/s, Redis CPU {:.1} µs/decision ({:.2}x of one request per call)",
+                "redis-benchmark, {} requests per call,  {:<15}: {:>8.0} decisions/s, Redis CPU {:.1} µs/decision ({:.2}x of one request per call)",
                 b.requests_per_call,
                 shape.label(),
                 b.calls_per_second * b.requests_per_call as f64,
@@ -1455,14 +1624,6 @@ fn main() {
                 per_decision / c.redis_us_per_call
             );
         }
-    }
-    for (shape, c) in &h2load_ceilings {
-        println!(
-            "redis-benchmark -c 50, same script, client 0's keys, {:<15}: {:>8.0} calls/s, Redis CPU {:.1} µs/call",
-            shape.label(),
-            c.calls_per_second,
-            c.redis_us_per_call
-        );
     }
     for line in &summary {
         println!("{line}");
@@ -1477,15 +1638,11 @@ fn main() {
     } else {
         println!("all answers correct: every request OK with one OK status per descriptor");
     }
-    if opts.phases.iter().any(|p| p == "peak" || p == "h2load") {
-        let svg = plot(
-            &opts,
-            &pools,
-            &ceilings,
-            &h2load_ceilings,
-            &plotted,
-            open_shape,
-        );
+    if plotted
+        .iter()
+        .any(|p| p.peaks.iter().flatten().any(|r| *r > 0.0))
+    {
+        let svg = plot(&opts, (&shapes, open_shape), &ceilings, &plotted);
         match std::fs::write(&opts.plot, svg) {
             Ok(()) => println!("plot: {}", opts.plot.display()),
             Err(error) => println!("plot not written to {}: {error}", opts.plot.display()),
@@ -1499,94 +1656,85 @@ fn main() {
     }
 }
 
+/// A plot series: its legend and one value per shape.
+type Series = (String, Vec<f64>);
+
 const PLOT_COLORS: [&str; 7] = [
     "#9a9a9a", "#3866c4", "#d64541", "#e8923a", "#2e9d4a", "#8e5bb5", "#444444",
 ];
 
-/// Hand-written SVG: peak req/s per shape for every server and the Redis ceiling, driven by
-/// the tonic client and (when measured) by h2load; latency at the first open-loop fraction of
-/// each server's own peak.
+/// Hand-written SVG: peak req/s per shape for every server and the Redis ceiling, one panel per
+/// client that measured it; latency at the first open-loop fraction of each server's own peak.
 fn plot(
     opts: &Opts,
-    pools: &[(Shape, Arc<Vec<RateLimitRequest>>)],
-    ceilings: &[Option<Ceiling>],
-    h2load_ceilings: &[(Shape, Ceiling)],
+    (shapes, open_shape): (&[Shape], usize),
+    ceilings: &[Vec<Option<Ceiling>>],
     plotted: &[Plotted],
-    open_shape: usize,
 ) -> String {
     let (width, left, top, panel_h) = (900.0, 70.0, 60.0, 260.0);
     let plot_w = width - left - 30.0;
-    let shapes: Vec<Shape> = pools.iter().map(|(shape, _)| *shape).collect();
-    let peaks = |peaks: fn(&Plotted) -> &Vec<f64>, ceiling: Vec<f64>| {
-        let mut series: Vec<(String, Vec<f64>)> = plotted
-            .iter()
-            .map(|p| (p.server.to_owned(), peaks(p).clone()))
-            .collect();
-        if ceiling.iter().any(|c| *c > 0.0) {
-            series.push(("redis-benchmark (1 EVALSHA/req)".to_owned(), ceiling));
-        }
-        series
-    };
-    let tonic = peaks(
-        |p| &p.peaks,
-        ceilings
-            .iter()
-            .map(|c| c.map_or(0.0, |c| c.calls_per_second))
-            .collect(),
-    );
-    let h2load = peaks(
-        |p| &p.h2load_peaks,
-        shapes
-            .iter()
-            .map(|shape| {
-                h2load_ceilings
-                    .iter()
-                    .find(|(s, _)| s == shape)
-                    .map_or(0.0, |(_, c)| c.calls_per_second)
-            })
-            .collect(),
-    );
-    let with_h2load = plotted
-        .iter()
-        .any(|p| p.h2load_peaks.iter().any(|r| *r > 0.0));
+    let panels: Vec<(Driver, Vec<Series>)> = Driver::ALL
+        .into_iter()
+        .enumerate()
+        .filter(|(d, _)| plotted.iter().any(|p| p.peaks[*d].iter().any(|r| *r > 0.0)))
+        .map(|(d, driver)| {
+            let mut series: Vec<(String, Vec<f64>)> = plotted
+                .iter()
+                .map(|p| (p.server.to_owned(), p.peaks[d].clone()))
+                .collect();
+            let ceiling: Vec<f64> = ceilings[d]
+                .iter()
+                .map(|c| c.map_or(0.0, |c| c.calls_per_second))
+                .collect();
+            if ceiling.iter().any(|c| *c > 0.0) {
+                series.push(("redis-benchmark (1 EVALSHA/req)".to_owned(), ceiling));
+            }
+            (driver, series)
+        })
+        .collect();
     let panel_step = panel_h + 110.0;
-    let latency_top = top + panel_step * if with_h2load { 2.0 } else { 1.0 };
+    let latency_top = top + panel_step * panels.len() as f64;
     let height = latency_top + panel_h + 70.0;
     let mut svg = String::new();
     let _ = write!(
         svg,
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput, tonic client ({}x{} in flight, {} limits)</text>
+<text x="{left}" y="24" font-size="16" font-weight="bold">rlsd over gRPC: peak throughput ({}x{} in flight, {} limits)</text>
 <text x="{left}" y="42" fill="#666">cargo bench --bench grpc; median of {} round(s); redis = Redis store, coalesced; redis-1 = one EVALSHA per request; all share 2 cores</text>
 "##,
         opts.connections, opts.inflight, opts.algorithm, opts.rounds
     );
-    bar_panel(&mut svg, (left, top, plot_w, panel_h), &shapes, &tonic);
-    if with_h2load {
+    for (p, (driver, series)) in panels.iter().enumerate() {
+        let panel_top = top + panel_step * p as f64;
         let _ = writeln!(
             svg,
-            r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Peak throughput, h2load client (C, one client's keys; ceiling on the same keys)</text>"#,
-            top + panel_step - 20.0
+            r#"<text x="{left}" y="{:.1}" font-size="14" font-weight="bold">{}</text>"#,
+            panel_top - 6.0,
+            driver.title()
         );
-        bar_panel(
-            &mut svg,
-            (left, top + panel_step, plot_w, panel_h),
-            &shapes,
-            &h2load,
-        );
+        bar_panel(&mut svg, (left, panel_top, plot_w, panel_h), shapes, series);
     }
 
     let _ = writeln!(
         svg,
-        r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Latency at {:.0}% of each server's own peak, {}, open loop</text>"#,
+        r#"<text x="{left}" y="{:.1}" font-size="16" font-weight="bold">Latency at {:.0}% of each server's own peak with that client, {}, open loop</text>"#,
         latency_top - 20.0,
         100.0 * opts.open_fractions.first().copied().unwrap_or(0.5),
-        pools[open_shape].0.label()
+        shapes[open_shape].label()
     );
-    let measured: Vec<(&str, [f64; 3])> = plotted
-        .iter()
-        .filter_map(|p| p.open.map(|o| (p.server, o)))
+    let measured: Vec<(String, [f64; 3])> = Driver::ALL
+        .into_iter()
+        .enumerate()
+        .flat_map(|(d, driver)| {
+            plotted.iter().filter_map(move |p| {
+                let name = match driver {
+                    Driver::Raw => format!("{} (lean)", p.server),
+                    _ => format!("{} (tonic)", p.server),
+                };
+                p.open[d].map(|o| (name, o))
+            })
+        })
         .collect();
     let max_ms = measured
         .iter()

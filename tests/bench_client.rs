@@ -1,0 +1,138 @@
+//! The bench tool's lean HTTP/2 client (`benches/support/rawh2.rs`) against a real rlsd over
+//! loopback: its figures are only as good as its framing, its answers and its schedule.
+
+mod common;
+
+#[path = "../benches/support/h2load.rs"]
+mod h2load;
+#[path = "../benches/support/rawh2.rs"]
+mod rawh2;
+
+use std::time::Duration;
+
+use common::{TestServer, descriptor, request};
+use rlsd::pb::rate_limit_response::Code;
+
+const CONFIG: &str = r#"
+domain: bench
+descriptors:
+  - key: client
+    rate_limit:
+      name: per-client
+      unit: hour
+      requests_per_unit: 5
+"#;
+
+/// Every answer the client decoded: (body index, overall code), or the error in its place.
+type Answers = Vec<(usize, Result<i32, String>)>;
+
+async fn drive(server: &TestServer, bodies: Vec<Vec<u8>>, load: rawh2::Load) -> (Answers, usize) {
+    let addr = server.grpc;
+    tokio::task::spawn_blocking(move || {
+        let mut answers = Vec::new();
+        let run = rawh2::run(
+            addr,
+            &bodies,
+            &load,
+            || (),
+            |done| answers.push((done.request, done.answer.map(|a| a.overall_code))),
+        )
+        .expect("the lean client runs");
+        (answers, run.unanswered)
+    })
+    .await
+    .expect("client thread")
+}
+
+fn closed(connections: usize, streams: usize, seconds: f64) -> rawh2::Load {
+    rawh2::Load {
+        connections,
+        streams,
+        rate: None,
+        warmup: Duration::ZERO,
+        seconds: Duration::from_secs_f64(seconds),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decodes_every_answer_and_the_limit_holds_across_its_streams() {
+    let server = TestServer::start(CONFIG).await;
+    // Two clients, on two connections with eight streams each: each gets exactly 5 OKs an
+    // hour, however the client interleaves them, and every answer after that is OVER_LIMIT.
+    let bodies: Vec<Vec<u8>> = ["a", "b"]
+        .iter()
+        .map(|client| h2load::grpc_body(&request("bench", vec![descriptor(&[("client", client)])])))
+        .collect();
+    let (answers, unanswered) = drive(&server, bodies, closed(2, 8, 0.3)).await;
+    assert_eq!(unanswered, 0);
+    assert!(
+        answers.len() > 20,
+        "only {} answers in 0.3 s",
+        answers.len()
+    );
+    for client in 0..2 {
+        let codes: Vec<i32> = answers
+            .iter()
+            .filter(|(body, _)| *body == client)
+            .map(|(_, code)| code.clone().expect("a decoded answer"))
+            .collect();
+        let ok = codes.iter().filter(|c| **c == i32::from(Code::Ok)).count();
+        let over = codes
+            .iter()
+            .filter(|c| **c == i32::from(Code::OverLimit))
+            .count();
+        assert_eq!(ok, 5, "client {client}: {codes:?}");
+        assert_eq!(ok + over, codes.len(), "client {client}: {codes:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_error_is_an_error_not_an_answer() {
+    let server = TestServer::start(CONFIG).await;
+    // No domain: rlsd answers INVALID_ARGUMENT, as trailers only.
+    let invalid = h2load::grpc_body(&request("", vec![descriptor(&[("client", "a")])]));
+    let (answers, unanswered) = drive(&server, vec![invalid], closed(1, 1, 0.1)).await;
+    assert_eq!(unanswered, 0);
+    assert!(!answers.is_empty());
+    for (_, answer) in &answers {
+        let error = answer
+            .as_ref()
+            .expect_err("no answer to an invalid request");
+        assert!(error.contains("trailers only"), "{error}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_loop_sends_exactly_its_schedule() {
+    let server = TestServer::start(CONFIG).await;
+    // 1000 distinct clients, so every answer is OK; one request every ms for 0.3 s measured,
+    // after 0.1 s of warm-up whose answers are not reported.
+    let bodies: Vec<Vec<u8>> = (0..1000)
+        .map(|c| {
+            let client = format!("client-{c}");
+            h2load::grpc_body(&request("bench", vec![descriptor(&[("client", &client)])]))
+        })
+        .collect();
+    let load = rawh2::Load {
+        connections: 2,
+        streams: 100,
+        rate: Some(1000.0),
+        warmup: Duration::from_millis(100),
+        seconds: Duration::from_millis(300),
+    };
+    let (answers, unanswered) = drive(&server, bodies, load).await;
+    assert_eq!(unanswered, 0);
+    assert_eq!(answers.len(), 300, "one per scheduled ms");
+    // The measured requests are the 100th to the 399th scheduled, in order of their bodies.
+    let mut bodies_seen: Vec<usize> = answers.iter().map(|(body, _)| *body).collect();
+    bodies_seen.sort_unstable();
+    assert_eq!(bodies_seen, (100..400).collect::<Vec<_>>());
+    assert!(
+        answers
+            .iter()
+            .all(|(_, code)| code.as_ref().ok() == Some(&i32::from(Code::Ok)))
+    );
+    server.stop().await;
+}
