@@ -17,7 +17,8 @@
 -- remaining, reset µs), request after request: one bulk string parses far faster on the
 -- client than an array of 3 integers per check. A request writes
 -- state only if every non-shadow check allows; when it is denied, its allowed checks report the
--- remaining they still have (nothing was taken).
+-- remaining they still have (nothing was taken). A string key is written once per call, with
+-- its final state; a sliding log's deltas are written after each request.
 --
 -- Written for Redis's Lua 5.1 interpreter, where a check costs little next to the call itself
 -- only if it allocates little: limits are parsed once per call, every string key is read by one
@@ -481,6 +482,11 @@ end
 -- request has built but not yet written, tagged with the request in `pending_in`.
 local loaded, pending, pending_in, written_in = {}, {}, {}, {}
 local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
+-- A string key's state is written once per call, after the last request: the call is atomic,
+-- so nobody can see the states in between, and a key that many coalesced requests share (a
+-- global limit) costs one SET instead of one per request. The last state and its TTL are what
+-- writing after every request would have left.
+local final_keys, final_limit, final_state, final_ttl = {}, {}, {}, {}
 local reply = {}
 local next_key, next_arg = 1, first_request_arg + 1
 for r = 1, tonumber(ARGV[first_request_arg]) do
@@ -532,11 +538,15 @@ for r = 1, tonumber(ARGV[first_request_arg]) do
       if new and written_in[key] ~= r then
         written_in[key] = r
         local c = limit_of[first_key + i - 1]
-        store(c, key, new, ttl_of[i], now)
         if c.alg == 'swl' then
+          store(c, key, new, ttl_of[i], now)
           loaded[key] = nil
         else
           loaded[key] = new
+          if not final_state[key] then
+            final_keys[#final_keys + 1] = key
+          end
+          final_limit[key], final_state[key], final_ttl[key] = c, new, ttl_of[i]
         end
       end
     end
@@ -548,5 +558,8 @@ for r = 1, tonumber(ARGV[first_request_arg]) do
     end
     reply[#reply + 1] = string.format('%d %d %d', allowed_of[i] and 1 or 0, remaining, reset_of[i])
   end
+end
+for _, key in ipairs(final_keys) do
+  store(final_limit[key], key, final_state[key], final_ttl[key], now)
 end
 return table.concat(reply, ' ')

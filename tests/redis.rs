@@ -257,12 +257,14 @@ async fn a_dead_redis_gets_the_failure_mode_answer_and_service_resumes_after_res
     }
 }
 
-/// `calls` of EVALSHA Redis has served, from INFO commandstats.
-fn evalsha_calls(redis: &RedisServer) -> u64 {
+/// How many times Redis has served `command` (lower case, as in `cmdstat_evalsha`), from
+/// INFO commandstats; scripts' own calls count too.
+fn command_calls(redis: &RedisServer, command: &str) -> u64 {
     let stats = redis.cli(&["INFO", "commandstats"]).expect("info");
+    let prefix = format!("cmdstat_{command}:calls=");
     stats
         .lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|line| line.strip_prefix(prefix.as_str()))
         .and_then(|rest| rest.split(',').next())
         .and_then(|calls| calls.parse().ok())
         .unwrap_or(0)
@@ -279,7 +281,8 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
     )
     .await;
     let client = rlsd.client().await;
-    let before = evalsha_calls(&redis);
+    let before = command_calls(&redis, "evalsha");
+    let sets_before = command_calls(&redis, "set");
     let tasks: Vec<_> = (0..64)
         .map(|_| {
             let mut client = client.clone();
@@ -309,10 +312,17 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
         allowed += task.await.expect("task");
     }
     assert_eq!(allowed, 500, "1280 two-limit requests, both limits 500");
-    let calls = evalsha_calls(&redis) - before;
+    let calls = command_calls(&redis, "evalsha") - before;
     assert!(
         calls < 1280,
         "{calls} EVALSHA calls for 1280 concurrent requests: nothing was coalesced"
+    );
+    // The token bucket's key is the one string key every request shares: each call writes it
+    // once, however many of its requests took from it (the log's writes are ZADDs).
+    let sets = command_calls(&redis, "set") - sets_before;
+    assert!(
+        sets <= calls,
+        "{sets} SETs of one shared key in {calls} calls deciding 500 allowed requests"
     );
     rlsd.stop().await;
 }
