@@ -429,6 +429,8 @@ struct Cpu {
     total: f64,
     /// The bench's redis-server, when there is one.
     redis: f64,
+    /// Not CPU: the EVALSHA calls that redis-server ran, so a phase knows its requests per call.
+    evalsha: f64,
 }
 
 impl Cpu {
@@ -439,12 +441,13 @@ impl Cpu {
             client: self.client - begin.client,
             total: self.total - begin.total,
             redis: self.redis - begin.redis,
+            evalsha: self.evalsha - begin.evalsha,
         }
     }
 }
 
-/// The redis-server whose CPU the phases count.
-static REDIS_PID: OnceLock<u32> = OnceLock::new();
+/// The redis-server whose CPU (and calls) the phases count: its pid and port.
+static REDIS_PID: OnceLock<(u32, u16)> = OnceLock::new();
 
 fn cpu_now() -> Cpu {
     let mut cpu = Cpu::default();
@@ -466,11 +469,11 @@ fn cpu_now() -> Cpu {
     if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
         cpu.total = ticks(&stat);
     }
-    if let Some(stat) = REDIS_PID
-        .get()
-        .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
-    {
-        cpu.redis = ticks(&stat);
+    if let Some(&(pid, port)) = REDIS_PID.get() {
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            cpu.redis = ticks(&stat);
+        }
+        cpu.evalsha = redis_server::evalsha_calls(port) as f64;
     }
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return cpu;
@@ -969,8 +972,9 @@ fn summary_line(
         reference[reference.len() / 2],
         match (uses_redis(server), baseline_cpu) {
             (true, _) => format!(
-                ", Redis CPU {:.1} µs/req",
-                per_request(&middle, middle.cpu.redis)
+                ", Redis CPU {:.1} µs/req, {:.1} req/call",
+                per_request(&middle, middle.cpu.redis),
+                middle.latencies_us.len() as f64 / middle.cpu.evalsha.max(1.0)
             ),
             // What carries over: the CPU rlsd adds to a server that does nothing.
             (false, Some(base)) => format!(" (+{:.1} µs over the baseline's)", cpu - base),
@@ -1303,7 +1307,7 @@ fn main() {
     }
     let redis = (opts.redis && redis_installed).then(Redis::start);
     if let Some(redis) = &redis {
-        let _ = REDIS_PID.set(redis.pid());
+        let _ = REDIS_PID.set((redis.pid(), redis.port));
     }
 
     let algorithm = opts.algorithm.as_str();

@@ -58,6 +58,12 @@ impl Redis {
     }
 
     /// The redis-server process id.
+    /// How many EVALSHA calls this server has run, from INFO commandstats over a plain
+    /// socket (no redis-cli process, so a phase can read it at its edges without a stall).
+    pub fn evalsha_calls(&self) -> u64 {
+        evalsha_calls(self.port)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -95,4 +101,43 @@ impl Redis {
             })
             .unwrap_or(0)
     }
+}
+
+/// `Redis::evalsha_calls` of the server on `port` (0 if it cannot be read).
+pub fn evalsha_calls(port: u16) -> u64 {
+    use std::io::{Read, Write};
+    let Ok(mut socket) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return 0;
+    };
+    let _ = socket.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+    if socket.write_all(b"INFO commandstats\r\n").is_err() {
+        return 0;
+    }
+    // A bulk string: `$<len>\r\n<text>\r\n`; read until the text is whole.
+    let mut reply = Vec::new();
+    let mut buffer = [0_u8; 4096];
+    loop {
+        let Ok(n) = socket.read(&mut buffer) else {
+            return 0;
+        };
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buffer[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some((header, body)) = text.split_once("\r\n")
+            && let Some(len) = header
+                .strip_prefix('$')
+                .and_then(|l| l.parse::<usize>().ok())
+            && body.len() >= len
+        {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&reply)
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|calls| calls.parse().ok())
+        .unwrap_or(0)
 }
