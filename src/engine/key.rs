@@ -46,13 +46,22 @@ pub fn encode(
     key
 }
 
+/// The bytes `escape_into` encodes, as a table: one load per byte where five comparisons were
+/// about twice the instructions on these per-check strings.
+static NEEDS_ESCAPE: [bool; 256] = {
+    let mut table = [false; 256];
+    table[b'%' as usize] = true;
+    table[b':' as usize] = true;
+    table[b'=' as usize] = true;
+    table[b'{' as usize] = true;
+    table[b'}' as usize] = true;
+    table
+};
+
 /// Appends `text` with the separators, the escape character and hash-tag braces percent-encoded.
 fn escape_into(out: &mut String, text: &str) {
     // All five are ASCII, so a byte scan finds them; most values have none and copy in one go.
-    if !text
-        .bytes()
-        .any(|b| matches!(b, b'%' | b':' | b'=' | b'{' | b'}'))
-    {
+    if !text.bytes().any(|b| NEEDS_ESCAPE[usize::from(b)]) {
         out.push_str(text);
         return;
     }
