@@ -53,9 +53,10 @@
 //!      whole ms);
 //!    - `raw-open`, the lean client: it paces itself with `ppoll` and a 1 µs timer slack,
 //!      sending on `RLSD_BENCH_CONNECTIONS` connections round robin;
-//! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape.
+//! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape: `single`
+//!    with the tonic client, `raw-single` with the lean one.
 //!
-//! `RLSD_BENCH_PHASES` (peak,h2load,raw,open,raw-open,single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
+//! `RLSD_BENCH_PHASES` (peak,h2load,raw,open,raw-open,single,raw-single) and `RLSD_BENCH_ONLY` (e.g. `rlsd,redis`) select. The
 //! tool prints a table of every phase (req/s, p50/p99/p999/max, answers by kind, server and
 //! client CPU per request), the ceilings, one summary line per server and shape (ratio, server
 //! CPU and Redis CPU per request), and writes an SVG plot of peak req/s by shape and latency at
@@ -1191,6 +1192,15 @@ impl Driver {
         }
     }
 
+    /// Its one-request-in-flight phase's name, when it has one.
+    fn single_phase(self) -> Option<&'static str> {
+        match self {
+            Driver::Tonic => Some("single"),
+            Driver::H2load => None,
+            Driver::Raw => Some("raw-single"),
+        }
+    }
+
     /// Whose keys its ceiling carries: the keys its requests carry.
     fn ceiling_keys(self) -> CeilingKeys {
         match self {
@@ -1579,19 +1589,38 @@ fn main() {
         }
     }
 
-    // Phase 3: one request in flight.
-    if opts.phases.iter().any(|p| p == "single") {
+    // One request in flight, with each client that has such a phase.
+    for driver in Driver::ALL {
+        let Some(phase_name) = driver.single_phase() else {
+            continue;
+        };
+        if !opts.phases.iter().any(|p| p == phase_name) {
+            continue;
+        }
         for (shape, requests) in &pools {
-            for (server, clients) in &servers {
-                eprintln!("1 in flight {server} {}", shape.label());
-                let phase = client_rt.block_on(closed_loop(
-                    &clients[..1],
-                    1,
-                    Arc::clone(requests),
-                    opts.seconds,
-                ));
+            for (v, (server, clients)) in servers.iter().enumerate() {
+                eprintln!("{phase_name} {server} {}", shape.label());
+                let phase = match driver {
+                    Driver::Raw => {
+                        let load = rawh2::Load {
+                            connections: 1,
+                            streams: 1,
+                            rate: None,
+                            warmup: WARMUP,
+                            seconds: opts.seconds,
+                        };
+                        raw_phase(addrs[v].1.0, requests, load)
+                    }
+                    _ => client_rt.block_on(closed_loop(
+                        &clients[..1],
+                        1,
+                        Arc::clone(requests),
+                        opts.seconds,
+                    )),
+                };
+                let client = if driver == Driver::Raw { ", lean" } else { "" };
                 rows.push(Row {
-                    phase: format!("1 in flight, {}", shape.label()),
+                    phase: format!("1 in flight{client}, {}", shape.label()),
                     server,
                     result: phase,
                 });
