@@ -1704,7 +1704,7 @@ fn plot(
     ceilings: &[Vec<Option<Ceiling>>],
     plotted: &[Plotted],
 ) -> String {
-    let (width, left, top, panel_h) = (900.0, 70.0, 60.0, 260.0);
+    let (width, left, top, panel_h) = (900.0, 70.0, 84.0, 260.0);
     let plot_w = width - left - 30.0;
     let panels: Vec<(Driver, Vec<Series>)> = Driver::ALL
         .into_iter()
