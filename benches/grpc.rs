@@ -176,7 +176,7 @@ impl Opts {
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
             phases: var(
                 "RLSD_BENCH_PHASES",
-                "peak,h2load,raw,open,raw-open,single".to_owned(),
+                "peak,h2load,raw,open,raw-open,single,raw-single".to_owned(),
             )
             .split(',')
             .map(|p| p.trim().to_owned())
