@@ -450,6 +450,27 @@ impl Cpu {
 /// The redis-server whose CPU (and calls) the phases count: its pid and port.
 static REDIS_PID: OnceLock<(u32, u16)> = OnceLock::new();
 
+/// The EVALSHA calls that redis-server has run (an f64's bits; NaN when unknown), as a
+/// sampler thread last read them. Reading INFO takes a round trip to a busy Redis, up to a
+/// millisecond, which would stall a client's loop at the phase's edges; the sample is at most
+/// `EVALSHA_SAMPLE` old, about 1 % of a 2 s phase's calls.
+static EVALSHA_CALLS: AtomicU64 = AtomicU64::new(0x7ff8_0000_0000_0000);
+const EVALSHA_SAMPLE: Duration = Duration::from_millis(20);
+
+/// Starts the thread that keeps `EVALSHA_CALLS` fresh, for as long as the bench runs.
+fn sample_evalsha_calls(port: u16) {
+    std::thread::Builder::new()
+        .name("evalsha-sampler".to_owned())
+        .spawn(move || {
+            loop {
+                let calls = redis_server::evalsha_calls(port).map_or(f64::NAN, |n| n as f64);
+                EVALSHA_CALLS.store(calls.to_bits(), Ordering::Relaxed);
+                std::thread::sleep(EVALSHA_SAMPLE);
+            }
+        })
+        .expect("sampler thread");
+}
+
 fn cpu_now() -> Cpu {
     let mut cpu = Cpu::default();
     let ticks = |stat: &str| -> f64 {
@@ -470,11 +491,12 @@ fn cpu_now() -> Cpu {
     if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
         cpu.total = ticks(&stat);
     }
-    if let Some(&(pid, port)) = REDIS_PID.get() {
+    if let Some(&(pid, _)) = REDIS_PID.get() {
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
             cpu.redis = ticks(&stat);
         }
-        cpu.evalsha = redis_server::evalsha_calls(port) as f64;
+        // NaN until the sampler has read it once: a phase then prints no calls figure.
+        cpu.evalsha = f64::from_bits(EVALSHA_CALLS.load(Ordering::Relaxed));
     }
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return cpu;
@@ -973,9 +995,16 @@ fn summary_line(
         reference[reference.len() / 2],
         match (uses_redis(server), baseline_cpu) {
             (true, _) => format!(
-                ", Redis CPU {:.1} µs/req, {:.1} req/call",
+                ", Redis CPU {:.1} µs/req, {}",
                 per_request(&middle, middle.cpu.redis),
-                middle.latencies_us.len() as f64 / middle.cpu.evalsha.max(1.0)
+                if middle.cpu.evalsha >= 1.0 {
+                    format!(
+                        "{:.1} req/call",
+                        middle.latencies_us.len() as f64 / middle.cpu.evalsha
+                    )
+                } else {
+                    "req/call n/a".to_owned()
+                }
             ),
             // What carries over: the CPU rlsd adds to a server that does nothing.
             (false, Some(base)) => format!(" (+{:.1} µs over the baseline's)", cpu - base),
@@ -1318,6 +1347,7 @@ fn main() {
     let redis = (opts.redis && redis_installed).then(Redis::start);
     if let Some(redis) = &redis {
         let _ = REDIS_PID.set((redis.pid(), redis.port));
+        sample_evalsha_calls(redis.port);
     }
 
     let algorithm = opts.algorithm.as_str();
@@ -1539,7 +1569,11 @@ fn main() {
         let (shape, requests) = &pools[open_shape];
         for (f, fraction) in opts.open_fractions.iter().enumerate() {
             for (v, (server, clients)) in servers.iter().enumerate() {
-                let peak = own_peak[d][v].or(own_peak[0][v]);
+                // Its own peak with this client, else with the tonic client.
+                let (peak, of) = match own_peak[d][v] {
+                    Some(peak) => (Some(peak), driver.phase()),
+                    None => (own_peak[0][v], Driver::Tonic.phase()),
+                };
                 let rate = match (opts.open_rate, peak) {
                     (Some(rate), _) => rate,
                     (None, Some(peak)) => peak * fraction,
@@ -1578,7 +1612,7 @@ fn main() {
                     plotted[v].open[d] = Some([0.5, 0.99, 0.999].map(|q| Phase::percentile(l, q)));
                 }
                 let share = peak.map_or(String::new(), |peak| {
-                    format!(" ({:.0}% pk)", 100.0 * rate / peak)
+                    format!(" ({:.0}% {of} pk)", 100.0 * rate / peak)
                 });
                 rows.push(Row {
                     phase: format!("{phase_name} {rate:.0}/s{share}, {}", shape.label()),

@@ -19,7 +19,7 @@ descriptors:
   - key: client
     rate_limit:
       name: per-client
-      unit: hour
+      unit: day
       requests_per_unit: 5
 "#;
 
@@ -57,8 +57,8 @@ fn closed(connections: usize, streams: usize, seconds: f64) -> rawh2::Load {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decodes_every_answer_and_the_limit_holds_across_its_streams() {
     let server = TestServer::start(CONFIG).await;
-    // Two clients, on two connections with eight streams each: each gets exactly 5 OKs an
-    // hour, however the client interleaves them, and every answer after that is OVER_LIMIT.
+    // Two clients, on two connections with eight streams each: each gets exactly 5 OKs a
+    // day, however the client interleaves them, and every answer after that is OVER_LIMIT.
     let bodies: Vec<Vec<u8>> = ["a", "b"]
         .iter()
         .map(|client| h2load::grpc_body(&request("bench", vec![descriptor(&[("client", client)])])))

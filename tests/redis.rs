@@ -326,3 +326,55 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
     );
     rlsd.stop().await;
 }
+
+#[test]
+fn one_call_writes_a_shared_key_once_with_its_final_state() {
+    let redis = RedisServer::start();
+    let yaml = "domain: t\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}\n";
+    let domain = rlsd::config::load_str("t.yaml", yaml).expect("config");
+    let mut config = rlsd::config::Config::default();
+    config.domains.insert(domain.name.clone(), domain);
+    let request = rlsd::engine::Request {
+        domain: "t".to_owned(),
+        descriptors: vec![rlsd::engine::Descriptor {
+            entries: vec![("k".to_owned(), "v".to_owned())],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    };
+    let plan = rlsd::engine::plan(&config, &request, &KeySettings::default());
+    let checks = plan.checks.as_slice();
+    redis
+        .cli(&["SCRIPT", "LOAD", rlsd::store::redis::SCRIPT])
+        .expect("script loads");
+    let mut connection = redis::Client::open(redis.url())
+        .and_then(|client| client.get_connection())
+        .expect("connect");
+    let remaining = |reply: String| -> Vec<u64> {
+        let numbers: Vec<u64> = reply
+            .split(' ')
+            .map(|n| n.parse().expect("a number"))
+            .collect();
+        numbers.chunks(3).map(|check| check[1]).collect()
+    };
+
+    // Three requests on one key in one call: each sees the one before, and the key is
+    // written once.
+    let sets = command_calls(&redis, "set");
+    let reply: String = rlsd::store::redis::script_command(&[checks, checks, checks])
+        .query(&mut connection)
+        .expect("one call");
+    assert_eq!(remaining(reply), [9, 8, 7]);
+    assert_eq!(command_calls(&redis, "set") - sets, 1);
+
+    // What was written is the last request's state, with a TTL.
+    let reply: String = rlsd::store::redis::script_command(&[checks])
+        .query(&mut connection)
+        .expect("a second call");
+    assert_eq!(remaining(reply), [6]);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&checks[0].key)
+        .query(&mut connection)
+        .expect("pttl");
+    assert!(ttl > 0, "the key expires: PTTL {ttl}");
+}

@@ -15,7 +15,9 @@
 //! once, without the dynamic table, so it is the same bytes every time) and one DATA frame with
 //! END_STREAM. It never decodes a response header block: the answer is the DATA (one gRPC
 //! message, decoded with prost), and a stream that ends without one is a gRPC error (tonic sends
-//! an error status as trailers only).
+//! an error status as trailers only). That assumes a server never sends a message and then a
+//! non-zero `grpc-status` in the trailers, which a unary tonic service does not do. Any GOAWAY
+//! ends the run with an error, graceful or not: a bench server never shuts down mid-phase.
 #![allow(dead_code)]
 
 use std::collections::{HashMap, VecDeque};
@@ -64,8 +66,9 @@ const DRAIN: Duration = Duration::from_secs(10);
 pub struct Load {
     /// HTTP/2 connections.
     pub connections: usize,
-    /// Requests in flight per connection: exactly that many in a closed loop, at most that many
-    /// (and at most what the server allows) in an open loop, where the rest wait their turn.
+    /// Requests in flight per connection: that many in a closed loop, at most that many in an
+    /// open loop, where the rest wait their turn; both capped by the server's
+    /// SETTINGS_MAX_CONCURRENT_STREAMS.
     pub streams: usize,
     /// `None`: closed loop. `Some(r)`: open loop, one request every 1/r s from the start,
     /// whatever the answers do.
@@ -82,7 +85,8 @@ pub struct Done {
     pub request: usize,
     /// From its scheduled time (open loop) or its send time (closed loop) to its answer.
     pub latency_us: u32,
-    /// How late it went out on the wire after its scheduled time (open loop; 0 when closed).
+    /// How late it was written to its connection's buffer after its scheduled time (open
+    /// loop; 0 when closed); the write to the socket follows in the same turn of the loop.
     pub lag_us: u32,
     /// The decoded answer, or why there is none.
     pub answer: Result<RateLimitResponse, String>,
@@ -109,6 +113,12 @@ struct Request {
 
 impl Request {
     fn new(block: &[u8], body: &[u8]) -> Request {
+        // One frame each, within the default SETTINGS_MAX_FRAME_SIZE and stream window, which
+        // this client does not track.
+        assert!(
+            block.len() <= 16_384 && body.len() <= 16_384,
+            "a request of one HEADERS and one DATA frame of at most 16 KiB"
+        );
         let mut frames = Vec::with_capacity(18 + block.len() + body.len());
         frame_header(&mut frames, block.len(), HEADERS, END_HEADERS, 0);
         frames.extend_from_slice(block);
@@ -253,6 +263,8 @@ impl Connection {
             connection.end += n;
             settled = connection.frames(Instant::now(), &mut |_| {}, true)?;
         }
+        // What came with the SETTINGS (a connection WINDOW_UPDATE, say) counts from the start.
+        connection.frames(Instant::now(), &mut |_| {}, false)?;
         connection.flush()?;
         connection
             .socket
@@ -309,6 +321,10 @@ impl Connection {
         }
         if self.written == self.out.len() {
             self.out.clear();
+            self.written = 0;
+        } else if self.written >= 1 << 16 {
+            // A socket that stays full: keep only what is still to be written.
+            self.out.drain(..self.written);
             self.written = 0;
         }
         Ok(())

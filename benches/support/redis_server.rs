@@ -57,13 +57,12 @@ impl Redis {
             .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
-    /// The redis-server process id.
-    /// How many EVALSHA calls this server has run, from INFO commandstats over a plain
-    /// socket (no redis-cli process, so a phase can read it at its edges without a stall).
-    pub fn evalsha_calls(&self) -> u64 {
+    /// How many EVALSHA calls this server has run (see `evalsha_calls`).
+    pub fn evalsha_calls(&self) -> Option<u64> {
         evalsha_calls(self.port)
     }
 
+    /// The redis-server process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -103,22 +102,23 @@ impl Redis {
     }
 }
 
-/// `Redis::evalsha_calls` of the server on `port` (0 if it cannot be read).
-pub fn evalsha_calls(port: u16) -> u64 {
+/// How many EVALSHA calls the server on `port` has run, from INFO commandstats over a plain
+/// socket (no redis-cli process); `None` if it cannot be read.
+pub fn evalsha_calls(port: u16) -> Option<u64> {
     use std::io::{Read, Write};
     let Ok(mut socket) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return 0;
+        return None;
     };
     let _ = socket.set_read_timeout(Some(std::time::Duration::from_secs(1)));
     if socket.write_all(b"INFO commandstats\r\n").is_err() {
-        return 0;
+        return None;
     }
     // A bulk string: `$<len>\r\n<text>\r\n`; read until the text is whole.
     let mut reply = Vec::new();
     let mut buffer = [0_u8; 4096];
     loop {
         let Ok(n) = socket.read(&mut buffer) else {
-            return 0;
+            return None;
         };
         if n == 0 {
             break;
@@ -134,10 +134,16 @@ pub fn evalsha_calls(port: u16) -> u64 {
             break;
         }
     }
-    String::from_utf8_lossy(&reply)
-        .lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|calls| calls.parse().ok())
-        .unwrap_or(0)
+    let text = String::from_utf8_lossy(&reply);
+    if !text.starts_with('$') {
+        return None;
+    }
+    // No line until the first EVALSHA.
+    Some(
+        text.lines()
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse().ok())
+            .unwrap_or(0),
+    )
 }
