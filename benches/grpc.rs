@@ -1132,6 +1132,22 @@ fn h2load_phase(
     }
 }
 
+/// The lean client's load for a phase: `connections` x `streams`, closed loop or paced at
+/// `rate`, after the usual warm-up, for `opts.seconds`.
+fn lean_load(
+    opts: &Opts,
+    (connections, streams): (usize, usize),
+    rate: Option<f64>,
+) -> rawh2::Load {
+    rawh2::Load {
+        connections,
+        streams,
+        rate,
+        warmup: WARMUP,
+        seconds: opts.seconds,
+    }
+}
+
 /// One run of the lean client (`support/rawh2.rs`) on `addr`, on a thread of its own named as
 /// a client thread (so its CPU is the client's), sending `pool` in turn.
 fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> Phase {
@@ -1522,13 +1538,7 @@ fn main() {
                 })
             }
             Driver::Raw => peak_rounds(driver, (&shapes, servers.len()), redis, &opts, |s, v| {
-                let load = rawh2::Load {
-                    connections: opts.connections,
-                    streams: opts.inflight,
-                    rate: None,
-                    warmup: WARMUP,
-                    seconds: opts.seconds,
-                };
+                let load = lean_load(&opts, (opts.connections, opts.inflight), None);
                 raw_phase(addrs[v].1.0, &pools[s].1, load)
             }),
         };
@@ -1582,13 +1592,7 @@ fn main() {
                 eprintln!("{phase_name} {server} at {rate:.0}/s");
                 let phase = match driver {
                     Driver::Raw => {
-                        let load = rawh2::Load {
-                            connections: opts.connections,
-                            streams: 1000,
-                            rate: Some(rate),
-                            warmup: WARMUP,
-                            seconds: opts.seconds,
-                        };
+                        let load = lean_load(&opts, (opts.connections, 1000), Some(rate));
                         raw_phase(addrs[v].1.0, requests, load)
                     }
                     _ => {
@@ -1636,13 +1640,7 @@ fn main() {
                 eprintln!("{phase_name} {server} {}", shape.label());
                 let phase = match driver {
                     Driver::Raw => {
-                        let load = rawh2::Load {
-                            connections: 1,
-                            streams: 1,
-                            rate: None,
-                            warmup: WARMUP,
-                            seconds: opts.seconds,
-                        };
+                        let load = lean_load(&opts, (1, 1), None);
                         raw_phase(addrs[v].1.0, requests, load)
                     }
                     _ => client_rt.block_on(closed_loop(
