@@ -844,7 +844,7 @@ fn redis_benchmark(
     };
     let plan = engine::plan(&config, &request, &KeySettings::default());
     let requests = vec![plan.checks.as_slice(); requests_per_call];
-    let command = rlsd::store::redis::script_command(&requests);
+    let command = rlsd::store::redis::script_command(&requests, None);
     let mut args: Vec<String> = command
         .args_iter()
         .map(|arg| match arg {

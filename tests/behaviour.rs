@@ -355,12 +355,9 @@ async fn random_sequences_match_the_reference<S: Store>(store: &S, clock: &Manua
     }
 }
 
-async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
-    let reference_clock = ManualClock::at(T0);
-    let reference = MemoryStore::with_clock(10_000, reference_clock.clone());
-    let mut rng = Lcg(seed);
-    let mut now = T0 + 1_234_567;
-    let shapes: Vec<(String, Params)> = (0..12)
+/// Twelve keys of every algorithm, with small limits and periods of 1 s to 1 min.
+fn random_shapes(seed: u64) -> Vec<(String, Params)> {
+    (0..12)
         .map(|i| {
             let algorithm = Algorithm::ALL[i % 5];
             let limit = [1, 3, 7, 20][i % 4];
@@ -380,34 +377,104 @@ async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
                 },
             )
         })
-        .collect();
+        .collect()
+}
+
+/// One random request: 1 to 3 checks (a key may repeat), mostly single takes, some peeks,
+/// refunds, large takes and shadow checks.
+fn random_checks(rng: &mut Lcg, shapes: &[(String, Params)]) -> Vec<Check> {
+    (0..1 + rng.next(3))
+        .map(|_| {
+            let (key, params) = &shapes[rng.next(shapes.len() as u64) as usize];
+            let hits = match rng.next(10) {
+                0 => Hits::Peek,
+                1 => Hits::Refund(1 + rng.next(3)),
+                2 => Hits::Take(1 + rng.next(25)),
+                _ => Hits::Take(1),
+            };
+            Check {
+                key: key.clone(),
+                params: *params,
+                hits,
+                shadow: rng.next(8) == 0,
+            }
+        })
+        .collect()
+}
+
+/// The clock's next step: none, a µs, a ms, or up to 3 s.
+fn random_step(rng: &mut Lcg) -> u64 {
+    [0, 1, 999, 50 * MS, 700 * MS, 3 * S][rng.next(6) as usize]
+}
+
+async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
+    let reference_clock = ManualClock::at(T0);
+    let reference = MemoryStore::with_clock(10_000, reference_clock.clone());
+    let mut rng = Lcg(seed);
+    let mut now = T0 + 1_234_567;
+    let shapes = random_shapes(seed);
     for step in 0..1500 {
-        now += [0, 1, 999, 50 * MS, 700 * MS, 3 * S][rng.next(6) as usize];
+        now += random_step(&mut rng);
         clock.set(now);
         reference_clock.set(now);
-        let checks: Vec<Check> = (0..1 + rng.next(3))
-            .map(|_| {
-                let (key, params) = &shapes[rng.next(shapes.len() as u64) as usize];
-                let hits = match rng.next(10) {
-                    0 => Hits::Peek,
-                    1 => Hits::Refund(1 + rng.next(3)),
-                    2 => Hits::Take(1 + rng.next(25)),
-                    _ => Hits::Take(1),
-                };
-                Check {
-                    key: key.clone(),
-                    params: *params,
-                    hits,
-                    shadow: rng.next(8) == 0,
-                }
-            })
-            .collect();
+        let checks = random_checks(&mut rng, &shapes);
         let got = decide(store, &checks).await;
         let want = decide(&reference, &checks).await;
         if std::env::var_os("RLSD_TRACE").is_some() {
             eprintln!("{step} {now} {checks:?}\n  -> {want:?}");
         }
         assert_eq!(got, want, "seed {seed} step {step} at {now}: {checks:?}");
+    }
+}
+
+/// Random batches of up to 24 requests, each batch decided by one call of the script, answer
+/// for answer the same as the in-process store deciding the requests one after another: what
+/// the coalescing store relies on, including keys that several requests of a call share.
+#[tokio::test]
+async fn random_batches_in_one_call_match_the_reference() {
+    let redis = common::redis::RedisServer::start();
+    let mut connection = ::redis::Client::open(redis.url())
+        .and_then(|client| client.get_connection())
+        .expect("connect");
+    ::redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(rlsd::store::redis::SCRIPT)
+        .exec(&mut connection)
+        .expect("script loads");
+    for seed in [0xba7c, 11, 424_242] {
+        let clock = ManualClock::at(T0);
+        let reference = MemoryStore::with_clock(10_000, clock.clone());
+        let mut rng = Lcg(seed);
+        let mut now = T0 + 7_654_321;
+        let shapes = random_shapes(seed);
+        for step in 0..250 {
+            now += random_step(&mut rng);
+            clock.set(now);
+            let batch: Vec<Vec<Check>> = (0..1 + rng.next(24))
+                .map(|_| random_checks(&mut rng, &shapes))
+                .collect();
+            let requests: Vec<&[Check]> = batch.iter().map(Vec::as_slice).collect();
+            let got: String = rlsd::store::redis::script_command(&requests, Some(&clock))
+                .query(&mut connection)
+                .expect("one call");
+            let mut want = Vec::new();
+            for checks in &batch {
+                for outcome in decide(&reference, checks).await {
+                    let verdict = outcome.verdict;
+                    want.push(format!(
+                        "{} {} {}",
+                        u8::from(verdict.allowed),
+                        verdict.remaining,
+                        verdict.reset_us
+                    ));
+                }
+            }
+            assert_eq!(
+                got,
+                want.join(" "),
+                "seed {seed} step {step} at {now}: {batch:?}"
+            );
+        }
     }
 }
 

@@ -361,14 +361,14 @@ fn one_call_writes_a_shared_key_once_with_its_final_state() {
     // Three requests on one key in one call: each sees the one before, and the key is
     // written once.
     let sets = command_calls(&redis, "set");
-    let reply: String = rlsd::store::redis::script_command(&[checks, checks, checks])
+    let reply: String = rlsd::store::redis::script_command(&[checks, checks, checks], None)
         .query(&mut connection)
         .expect("one call");
     assert_eq!(remaining(reply), [9, 8, 7]);
     assert_eq!(command_calls(&redis, "set") - sets, 1);
 
     // What was written is the last request's state, with a TTL.
-    let reply: String = rlsd::store::redis::script_command(&[checks])
+    let reply: String = rlsd::store::redis::script_command(&[checks], None)
         .query(&mut connection)
         .expect("a second call");
     assert_eq!(remaining(reply), [6]);

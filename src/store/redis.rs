@@ -480,10 +480,11 @@ impl<'s> ScriptCall<'s> {
     }
 }
 
-/// The EVALSHA that decides `requests` on Redis's clock, exactly as the store sends it (the
-/// bench tool replays it with `redis-benchmark` as the one-call-per-request ceiling).
-pub fn script_command(requests: &[&[Check]]) -> redis::Cmd {
-    ScriptCall::new(&redis::Script::new(SCRIPT), None, requests).command
+/// The EVALSHA that decides `requests`, exactly as the store sends it: on Redis's clock, or at
+/// `fixed_clock`'s time as in tests (the bench tool replays it with `redis-benchmark` as the
+/// one-call-per-request ceiling).
+pub fn script_command(requests: &[&[Check]], fixed_clock: Option<&dyn Clock>) -> redis::Cmd {
+    ScriptCall::new(&redis::Script::new(SCRIPT), fixed_clock, requests).command
 }
 
 /// The script's reply, split back into one answer per request.
