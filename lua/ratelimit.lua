@@ -21,8 +21,10 @@
 -- its final state; a sliding log's deltas are written after each request.
 --
 -- Written for Redis's Lua 5.1 interpreter, where a check costs little next to the call itself
--- only if it allocates little: limits are parsed once per call, every string key is read by one
--- MGET, results live in flat arrays, and no table is built per check beyond its new state.
+-- only if it allocates and converts little: limits are parsed once per call, every string key
+-- is read by one MGET, per-key state lives in arrays indexed by the key's slot, no table is
+-- built per check beyond its new state, and the usual arguments ("1" hit, a limit's index)
+-- are matched as strings rather than converted.
 
 local SLACK = 1000000
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
@@ -62,22 +64,23 @@ local function load_log(key, now, p)
   return st
 end
 
--- The state in a string key's value (false when the key does not exist).
+-- The state in a string key's value (false when the key does not exist). Numbers are read
+-- as `text + 0`: one conversion, where Lua 5.1's tonumber converts twice (a check and a read).
 local function parse(alg, raw)
   if not raw then
     return false
   end
   if alg == 'gcra' then
-    return { tat = tonumber(raw) }
+    return { tat = raw + 0 }
   elseif alg == 'fw' then
     local window, count = match(raw, '^(%S+) (%S+)')
-    return { window = tonumber(window), count = tonumber(count) }
+    return { window = window + 0, count = count + 0 }
   elseif alg == 'swc' then
     local window, current, previous = match(raw, '^(%S+) (%S+) (%S+)')
-    return { window = tonumber(window), current = tonumber(current), previous = tonumber(previous) }
+    return { window = window + 0, current = current + 0, previous = previous + 0 }
   else
     local tokens, updated = match(raw, '^(%S+) (%S+)')
-    return { tokens = tonumber(tokens), updated = tonumber(updated) }
+    return { tokens = tokens + 0, updated = updated + 0 }
   end
 end
 
@@ -272,18 +275,18 @@ local function emission_interval(c)
 end
 
 local function gcra(c, st, now, want, take)
-  local t = c.t
-  local tau = max(0, c.b - 1) * t
+  local t, tau = c.t, c.tau
   local tat0 = now
-  if st then
-    tat0 = max(st.tat, now)
+  if st and st.tat > now then
+    tat0 = st.tat
   end
-  if now + tau + t >= tat0 + want * t then
+  local horizon = now + tau + t
+  if horizon >= tat0 + want * t then
     local new_tat = tat0 + take * t
-    return true, idiv(now + tau + t - new_tat, t), new_tat - now, { tat = new_tat }, new_tat - now + SLACK
+    return true, idiv(horizon - new_tat, t), new_tat - now, { tat = new_tat }, new_tat - now + SLACK
   end
   local allow_at = tat0 + want * t - tau - t
-  local remaining = idiv(max(0, now + tau + t - tat0), t)
+  local remaining = idiv(max(0, horizon - tat0), t)
   return false, min(remaining, c.b), allow_at - now
 end
 
@@ -380,7 +383,8 @@ end
 -- Writing state ----------------------------------------------------------------------------
 
 local function store(c, key, st, ttl, now)
-  ttl = max(1, ceil(ttl / 1000))
+  -- Formatted here: Redis would turn a Lua number into text with %.17g, a slower conversion.
+  ttl = string.format('%d', max(1, ceil(ttl / 1000)))
   if c.alg == 'swl' then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(st.horizon))
     if st.removed > 0 then
@@ -423,18 +427,21 @@ end
 
 local now
 if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
+  now = ARGV[1] + 0
 else
   local time = redis.call('TIME')
-  now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+  now = time[1] * 1000000 + time[2]
 end
 
-local limits = {}
-for i = 1, tonumber(ARGV[2]) do
+-- Limits, each also under the text checks name it by ("1", "2", ...), so naming one costs a
+-- table lookup instead of a number conversion.
+local limit_named = {}
+local limit_count = ARGV[2] + 0
+for i = 1, limit_count do
   local a = 3 + 5 * (i - 1)
   local alg = ARGV[a]
-  local c = { alg = alg, algorithm = ALGORITHMS[alg], l = tonumber(ARGV[a + 1]),
-              p = tonumber(ARGV[a + 2]), b = tonumber(ARGV[a + 3]), shadow = ARGV[a + 4] == '1' }
+  local c = { alg = alg, algorithm = ALGORITHMS[alg], l = ARGV[a + 1] + 0,
+              p = ARGV[a + 2] + 0, b = ARGV[a + 3] + 0, shadow = ARGV[a + 4] == '1' }
   if alg == 'tb' or alg == 'gcra' then
     c.capacity = c.b
   else
@@ -442,89 +449,103 @@ for i = 1, tonumber(ARGV[2]) do
   end
   if alg == 'gcra' then
     c.t = emission_interval(c)
+    c.tau = max(0, c.b - 1) * c.t
   end
-  limits[i] = c
+  limit_named[string.format('%d', i)] = c
 end
-local first_request_arg = 3 + 5 * #limits
+local first_request_arg = 3 + 5 * limit_count
+local request_count = ARGV[first_request_arg] + 0
 
--- Pass 1: each check's limit, and every string key read at once (sorted-set logs are read
--- as they come). L = 0 denies without reading anything.
-local limit_of, fetch, fetching = {}, {}, {}
+-- Pass 1: each request's number of checks, each check's limit and key slot, and every string
+-- key read at once (sorted-set logs are read as they come). L = 0 denies without reading
+-- anything. Per-key state lives in arrays indexed by slot: one string lookup per check.
+local count_of, limit_of, slot_of_check = {}, {}, {}
+local slot_of, key_at, slots = {}, {}, 0
+local fetch, fetch_slot, fetched, fetches = {}, {}, {}, 0
 do
   local g, arg = 1, first_request_arg + 1
-  for _ = 1, tonumber(ARGV[first_request_arg]) do
-    local count = tonumber(ARGV[arg])
+  for r = 1, request_count do
+    local count = ARGV[arg] + 0
+    count_of[r] = count
     arg = arg + 1
     for _ = 1, count do
-      local c = limits[tonumber(ARGV[arg])]
-      limit_of[g] = c
+      local c = limit_named[ARGV[arg]]
       local key = KEYS[g]
-      if c.alg ~= 'swl' and c.l ~= 0 and not fetching[key] then
-        fetching[key] = true
-        fetch[#fetch + 1] = key
+      local s = slot_of[key]
+      if not s then
+        slots = slots + 1
+        s = slots
+        slot_of[key], key_at[s] = s, key
+      end
+      limit_of[g], slot_of_check[g] = c, s
+      if c.alg ~= 'swl' and c.l ~= 0 and not fetched[s] then
+        fetched[s] = true
+        fetches = fetches + 1
+        fetch[fetches], fetch_slot[fetches] = key, s
       end
       g, arg = g + 1, arg + 2
     end
   end
 end
-local raw = {}
+local raw_at = {}
 -- In chunks: Lua's unpack has a stack limit (about 8000 values).
-for from = 1, #fetch, 1000 do
-  local to = min(from + 999, #fetch)
+for from = 1, fetches, 1000 do
+  local to = min(from + 999, fetches)
   local values = redis.call('MGET', unpack(fetch, from, to))
   for i = from, to do
-    raw[fetch[i]] = values[i - from + 1]
+    raw_at[fetch_slot[i]] = values[i - from + 1]
   end
 end
 
--- Committed state of each key so far in this call (false: none). Sliding logs are dropped
--- after a write and read again, since their writes are deltas. `pending` holds the state a
+-- Committed state of each slot so far in this call (false: none). Sliding logs are dropped
+-- after a write and read again, since their writes are deltas. `pending_at` holds the state a
 -- request has built but not yet written, tagged with the request in `pending_in`.
-local loaded, pending, pending_in, written_in = {}, {}, {}, {}
+local loaded_at, pending_at, pending_in, written_in = {}, {}, {}, {}
 local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
 -- A string key's state is written once per call, after the last request: the call is atomic,
 -- so nobody can see the states in between, and a key that many coalesced requests share (a
 -- global limit) costs one SET instead of one per request. The last state and its TTL are what
 -- writing after every request would have left.
-local final_keys, final_limit, final_state, final_ttl = {}, {}, {}, {}
-local reply = {}
-local next_key, next_arg = 1, first_request_arg + 1
-for r = 1, tonumber(ARGV[first_request_arg]) do
-  local count = tonumber(ARGV[next_arg])
+local final_slots, finals, final_limit, final_state, final_ttl = {}, 0, {}, {}, {}
+local reply, replies = {}, 0
+local next_check, next_arg = 1, first_request_arg + 1
+for r = 1, request_count do
+  local count = count_of[r]
   next_arg = next_arg + 1
-  local first_key = next_key
+  local first_check = next_check
   local allowed_all = true
   for i = 1, count do
-    local key, c = KEYS[next_key], limit_of[next_key]
+    local c, s = limit_of[next_check], slot_of_check[next_check]
     local hits = ARGV[next_arg + 1]
-    next_key, next_arg = next_key + 1, next_arg + 2
-    local mode, n = 't', nil
-    if hits == 'p' then
-      mode, n = 'p', 1
+    next_check, next_arg = next_check + 1, next_arg + 2
+    local mode, n = 't', 1
+    if hits == '1' then -- the usual case, without a conversion
+    elseif hits == 'p' then
+      mode = 'p'
     elseif string.byte(hits) == 114 then -- 'r'
-      mode, n = 'r', tonumber(string.sub(hits, 2))
+      mode, n = 'r', string.sub(hits, 2) + 0
     else
-      n = tonumber(hits)
+      n = hits + 0
     end
     local st
-    if pending_in[key] == r then
-      st = pending[key]
+    if pending_in[s] == r then
+      st = pending_at[s]
     else
-      st = loaded[key]
+      st = loaded_at[s]
       if st == nil and c.l ~= 0 then
         if c.alg == 'swl' then
-          st = load_log(key, now, c.p)
+          st = load_log(key_at[s], now, c.p)
         else
-          st = parse(c.alg, raw[key])
+          st = parse(c.alg, raw_at[s])
         end
-        loaded[key] = st
+        loaded_at[s] = st
       end
     end
     local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
     allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
     state_of[i], ttl_of[i] = new, ttl
     if new then
-      pending[key], pending_in[key] = new, r
+      pending_at[s], pending_in[s] = new, r
     end
     if not allowed and not c.shadow then
       allowed_all = false
@@ -534,19 +555,20 @@ for r = 1, tonumber(ARGV[first_request_arg]) do
   -- Write each key once, with its final state (a key checked twice carries both checks' hits).
   if allowed_all then
     for i = count, 1, -1 do
-      local new, key = state_of[i], KEYS[first_key + i - 1]
-      if new and written_in[key] ~= r then
-        written_in[key] = r
-        local c = limit_of[first_key + i - 1]
+      local new, s = state_of[i], slot_of_check[first_check + i - 1]
+      if new and written_in[s] ~= r then
+        written_in[s] = r
+        local c = limit_of[first_check + i - 1]
         if c.alg == 'swl' then
-          store(c, key, new, ttl_of[i], now)
-          loaded[key] = nil
+          store(c, key_at[s], new, ttl_of[i], now)
+          loaded_at[s] = nil
         else
-          loaded[key] = new
-          if not final_state[key] then
-            final_keys[#final_keys + 1] = key
+          loaded_at[s] = new
+          if not final_state[s] then
+            finals = finals + 1
+            final_slots[finals] = s
           end
-          final_limit[key], final_state[key], final_ttl[key] = c, new, ttl_of[i]
+          final_limit[s], final_state[s], final_ttl[s] = c, new, ttl_of[i]
         end
       end
     end
@@ -556,10 +578,13 @@ for r = 1, tonumber(ARGV[first_request_arg]) do
     if not allowed_all and allowed_of[i] then
       remaining = unconsumed_of[i]
     end
-    reply[#reply + 1] = string.format('%d %d %d', allowed_of[i] and 1 or 0, remaining, reset_of[i])
+    replies = replies + 1
+    -- The verdict is in the format, so only two numbers are converted.
+    reply[replies] = string.format(allowed_of[i] and '1 %d %d' or '0 %d %d', remaining, reset_of[i])
   end
 end
-for _, key in ipairs(final_keys) do
-  store(final_limit[key], key, final_state[key], final_ttl[key], now)
+for f = 1, finals do
+  local s = final_slots[f]
+  store(final_limit[s], key_at[s], final_state[s], final_ttl[s], now)
 end
 return table.concat(reply, ' ')
