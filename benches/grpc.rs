@@ -104,7 +104,7 @@ mod workload;
 use arc_swap::ArcSwap;
 use redis_server::Redis;
 use rlsd::config::Config;
-use rlsd::engine::{self, KeySettings};
+
 use rlsd::metrics::Metrics;
 use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
 use rlsd::pb::{
@@ -828,22 +828,8 @@ fn redis_benchmark(
     let sha = redis
         .cli(&["SCRIPT", "LOAD", rlsd::store::redis::SCRIPT])
         .expect("load script");
-    let config = workload::config(algorithm);
-    let wire = shape.request(0);
-    let request = engine::Request {
-        domain: wire.domain,
-        descriptors: wire
-            .descriptors
-            .into_iter()
-            .map(|d| engine::Descriptor {
-                entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
-                ..Default::default()
-            })
-            .collect(),
-        hits_addend: 0,
-    };
-    let plan = engine::plan(&config, &request, &KeySettings::default());
-    let requests = vec![plan.checks.as_slice(); requests_per_call];
+    let checks = shape.checks(&workload::config(algorithm), 0);
+    let requests = vec![checks.as_slice(); requests_per_call];
     let command = rlsd::store::redis::script_command(&requests, None);
     let mut args: Vec<String> = command
         .args_iter()
@@ -854,7 +840,7 @@ fn redis_benchmark(
         .collect();
     assert_eq!(args[1], sha, "the store's script is the one loaded");
     if keys == CeilingKeys::Random {
-        for arg in &mut args[3..3 + plan.checks.len() * requests_per_call] {
+        for arg in &mut args[3..3 + checks.len() * requests_per_call] {
             // The last entry's value (the client) varies: the same key layout and length
             // class as rlsd's keys, over 1000 values per key.
             let (stem, _) = arg.rsplit_once('=').expect("keys end in =value");

@@ -18,7 +18,14 @@
 //! totals divided by `HIGH - LOW` is the cost of one request, free of start-up and set-up.
 //! Allocations per request are counted natively, with a counting global allocator.
 //!
+//! Redis's side is counted the same way with redis-server itself under callgrind: the store's
+//! script calls for each shape (built by `script_command`, on Redis's clock), with 1 and with 16
+//! requests per call (the coalescing store sends about 14 under load), `SCRIPT_LOW` and
+//! `SCRIPT_HIGH` calls after a warm-up that creates every client's keys. An empty script sent
+//! the same arguments gives EVALSHA's own cost, which no script can save.
+//!
 //! Run: `cargo bench --bench instructions` (needs `valgrind`; prints a note and stops if absent).
+//! `RLSD_INSTRUCTIONS_PARTS` (`rlsd,redis`) selects rlsd's side, Redis's side or both.
 
 use std::hint::black_box;
 use std::process::Command;
@@ -29,7 +36,7 @@ use prost::Message;
 use rlsd::clock::ManualClock;
 use rlsd::pb::RateLimitRequest;
 use rlsd::service::{RateLimiter, ServiceSettings};
-use rlsd::store::{MemoryStore, RedisSettings, RedisStore};
+use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore};
 
 #[path = "support/redis_server.rs"]
 mod redis_server;
@@ -56,6 +63,13 @@ const HIGH: usize = 12_000;
 const REDIS_LOW: usize = 500;
 const REDIS_HIGH: usize = 3_000;
 const CHILD_VAR: &str = "RLSD_INSTRUCTIONS_CHILD";
+/// Script calls measured on Redis's side (redis-server runs under callgrind).
+const SCRIPT_LOW: usize = 100;
+const SCRIPT_HIGH: usize = 400;
+/// Requests per script call on Redis's side: none coalesced, and a batch as under load.
+const REQUESTS_PER_CALL: [usize; 2] = [1, 16];
+/// The limits' algorithm in every row.
+const ALGORITHM: &str = "fixed_window";
 /// A fixed instant (2026-12-02): limits never roll over while measuring.
 const T0: u64 = 1_796_223_600_000_000;
 
@@ -82,7 +96,7 @@ enum Rig {
 
 impl Rig {
     fn new(shape: Shape, backend: Backend) -> Rig {
-        let config = Arc::new(ArcSwap::from_pointee(workload::config("fixed_window")));
+        let config = Arc::new(ArcSwap::from_pointee(workload::config(ALGORITHM)));
         let wire = shape
             .requests(CLIENTS)
             .iter()
@@ -171,6 +185,132 @@ fn callgrind_total(shape: Shape, backend: Backend, count: usize) -> Result<u64, 
         .ok_or_else(|| format!("no total in callgrind's output: {stderr}"))
 }
 
+/// What Redis runs for each call on its side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScriptBody {
+    /// The store's script.
+    Store,
+    /// A script that only returns: what EVALSHA costs with the same arguments.
+    Empty,
+}
+
+/// redis-server's own instruction total, under callgrind, for `calls` script calls of
+/// `per_call` requests of `shape` each, after warm-up calls that create every client's keys.
+fn redis_side_total(
+    shape: Shape,
+    per_call: usize,
+    calls: usize,
+    body: ScriptBody,
+) -> Result<u64, String> {
+    let log = std::env::temp_dir().join(format!(
+        "rlsd-callgrind-redis-{}-{calls}.log",
+        std::process::id()
+    ));
+    let log_arg = format!("--log-file={}", log.display());
+    let redis = redis_server::Redis::start_under(&[
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        &log_arg,
+    ]);
+    let mut connection = redis::Client::open(format!("redis://127.0.0.1:{}", redis.port))
+        .and_then(|client| client.get_connection())
+        .map_err(|e| format!("connect: {e}"))?;
+    let script = match body {
+        ScriptBody::Store => rlsd::store::redis::SCRIPT,
+        ScriptBody::Empty => "return ''",
+    };
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script)
+        .query(&mut connection)
+        .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
+    let config = workload::config(ALGORITHM);
+    let checks: Vec<Vec<Check>> = (0..CLIENTS).map(|c| shape.checks(&config, c)).collect();
+    // The store's own call for `count` consecutive clients, naming the script loaded above.
+    let mut call = |first: usize, count: usize| -> Result<(), String> {
+        let requests: Vec<&[Check]> = (first..first + count)
+            .map(|i| checks[i % CLIENTS].as_slice())
+            .collect();
+        let stored = rlsd::store::redis::script_command(&requests, None);
+        let mut command = redis::cmd("EVALSHA");
+        command.arg(&sha);
+        for arg in stored.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                command.arg(bytes);
+            }
+        }
+        let reply: String = command
+            .query(&mut connection)
+            .map_err(|e| format!("EVALSHA: {e}"))?;
+        let allowed = reply.split(' ').step_by(3).all(|verdict| verdict == "1");
+        if body == ScriptBody::Store && !allowed {
+            return Err(format!("a request was not allowed: {reply}"));
+        }
+        Ok(())
+    };
+    for first in (0..CLIENTS).step_by(16) {
+        call(first, 16)?;
+    }
+    for i in 0..calls {
+        call(i * per_call, per_call)?;
+    }
+    redis.shutdown();
+    let text = std::fs::read_to_string(&log).map_err(|e| format!("valgrind log: {e}"))?;
+    let _ = std::fs::remove_file(&log);
+    text.lines()
+        .find_map(|line| {
+            let (_, total) = line.split_once("Collected :")?;
+            total.trim().replace(',', "").parse().ok()
+        })
+        .ok_or_else(|| format!("no total in callgrind's log: {text}"))
+}
+
+/// Redis's instructions per script call of `per_call` requests of `shape`.
+fn redis_side_per_call(shape: Shape, per_call: usize, body: ScriptBody) -> Result<f64, String> {
+    let low = redis_side_total(shape, per_call, SCRIPT_LOW, body)?;
+    let high = redis_side_total(shape, per_call, SCRIPT_HIGH, body)?;
+    Ok(high.saturating_sub(low) as f64 / (SCRIPT_HIGH - SCRIPT_LOW) as f64)
+}
+
+/// The Redis-side table: what redis-server spends per script call and per request.
+fn print_redis_side() {
+    println!(
+        "\n# Redis's instructions per script call (callgrind on redis-server; {ALGORITHM} limits, keys existing)\n"
+    );
+    println!(
+        "| {:<16} | {:>9} | {:>11} | {:>12} | {:>13} | {:>13} |",
+        "shape", "req/call", "instr/call", "instr/req", "empty script", "script/req"
+    );
+    println!(
+        "|{:-<18}|{:->11}|{:->13}|{:->14}|{:->15}|{:->15}|",
+        "", "", "", "", "", ""
+    );
+    for shape in Shape::ALL {
+        for per_call in REQUESTS_PER_CALL {
+            let (store, empty) = match (
+                redis_side_per_call(shape, per_call, ScriptBody::Store),
+                redis_side_per_call(shape, per_call, ScriptBody::Empty),
+            ) {
+                (Ok(store), Ok(empty)) => (store, empty),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("{} x{per_call}: {e}", shape.label());
+                    continue;
+                }
+            };
+            println!(
+                "| {:<16} | {:>9} | {:>11.0} | {:>12.0} | {:>13.0} | {:>13.0} |",
+                shape.label(),
+                per_call,
+                store,
+                store / per_call as f64,
+                empty,
+                (store - empty) / per_call as f64,
+            );
+        }
+    }
+}
+
 fn allocations_per_request(shape: Shape, backend: Backend) -> f64 {
     let rig = Rig::new(shape, backend);
     counting_alloc::allocations_during(|| rig.run(LOW)) as f64 / LOW as f64
@@ -199,6 +339,20 @@ fn main() {
         .arg("--version")
         .output()
         .is_ok();
+    let parts = std::env::var("RLSD_INSTRUCTIONS_PARTS").unwrap_or_else(|_| "rlsd,redis".into());
+    let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
+    if part("rlsd") {
+        print_rlsd_side(redis);
+    }
+    if redis && part("redis") {
+        print_redis_side();
+    } else if !redis {
+        println!("redis-server is not installed: no Redis rows");
+    }
+}
+
+/// The rlsd-side table: instructions and allocations per request, per store and shape.
+fn print_rlsd_side(redis: bool) {
     println!(
         "# rlsd instructions per request (callgrind, decode -> decide -> encode; rlsd's own, not Redis's)\n"
     );

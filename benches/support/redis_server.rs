@@ -21,8 +21,22 @@ pub struct Redis {
 impl Redis {
     /// Starts redis-server and waits until it answers.
     pub fn start() -> Redis {
+        Redis::start_under(&[])
+    }
+
+    /// Starts redis-server as the last argument of `wrapper` (e.g. `valgrind` and its options;
+    /// none: redis-server itself) and waits until it answers.
+    pub fn start_under(wrapper: &[&str]) -> Redis {
         let port = free_port();
-        let child = Command::new("redis-server")
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg("redis-server");
+                command
+            }
+            None => Command::new("redis-server"),
+        };
+        let child = command
             .args([
                 "--port",
                 &port.to_string(),
@@ -37,7 +51,8 @@ impl Redis {
             .spawn()
             .expect("redis-server");
         let redis = Redis { port, child };
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // Under valgrind, start-up takes seconds.
+        let deadline = Instant::now() + Duration::from_secs(60);
         while redis.cli(&["PING"]).as_deref() != Some("PONG") {
             assert!(Instant::now() < deadline, "redis did not start");
             std::thread::sleep(Duration::from_millis(20));
@@ -80,6 +95,15 @@ impl Redis {
         let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
             + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
         ticks * 10_000
+    }
+}
+
+impl Redis {
+    /// Shuts the server down cleanly (SHUTDOWN NOSAVE), so a wrapper sees it exit, and waits
+    /// for the process.
+    pub fn shutdown(mut self) {
+        let _ = self.cli(&["SHUTDOWN", "NOSAVE"]);
+        let _ = self.child.wait();
     }
 }
 

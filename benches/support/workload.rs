@@ -75,6 +75,25 @@ impl Shape {
     pub fn requests(self, clients: usize) -> Vec<RateLimitRequest> {
         (0..clients).map(|c| self.request(c)).collect()
     }
+
+    /// The store checks rlsd plans for client `client`'s request under `config` (default key
+    /// settings): the keys and limits the Redis store's script call carries.
+    pub fn checks(self, config: &rlsd::config::Config, client: usize) -> Vec<rlsd::store::Check> {
+        let wire = self.request(client);
+        let request = rlsd::engine::Request {
+            domain: wire.domain,
+            descriptors: wire
+                .descriptors
+                .into_iter()
+                .map(|d| rlsd::engine::Descriptor {
+                    entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+                    ..Default::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        };
+        rlsd::engine::plan(config, &request, &rlsd::engine::KeySettings::default()).checks
+    }
 }
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
