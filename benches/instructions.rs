@@ -273,18 +273,38 @@ fn redis_side_per_call(shape: Shape, per_call: usize, body: ScriptBody) -> Resul
     Ok(high.saturating_sub(low) as f64 / (SCRIPT_HIGH - SCRIPT_LOW) as f64)
 }
 
+/// A table's title, then its column names (`left` ones left-aligned, then `right` ones) and
+/// the Markdown rule under them, each column `width` wide.
+fn table_header(title: &str, left: &[(&str, usize)], right: &[(&str, usize)]) {
+    println!("{title}\n");
+    let mut names = String::from("|");
+    let mut rule = String::from("|");
+    for (i, (name, width)) in left.iter().chain(right).enumerate() {
+        if i < left.len() {
+            names.push_str(&format!(" {name:<width$} |"));
+        } else {
+            names.push_str(&format!(" {name:>width$} |"));
+        }
+        rule.push_str(&"-".repeat(width + 2));
+        rule.push('|');
+    }
+    println!("{names}\n{rule}");
+}
+
 /// The Redis-side table: what redis-server spends per script call and per request.
 fn print_redis_side() {
-    println!(
-        "\n# Redis's instructions per script call (callgrind on redis-server; {ALGORITHM} limits, keys existing)\n"
-    );
-    println!(
-        "| {:<16} | {:>9} | {:>11} | {:>12} | {:>13} | {:>13} |",
-        "shape", "req/call", "instr/call", "instr/req", "empty script", "script/req"
-    );
-    println!(
-        "|{:-<18}|{:->11}|{:->13}|{:->14}|{:->15}|{:->15}|",
-        "", "", "", "", "", ""
+    table_header(
+        &format!(
+            "\n# Redis's instructions per script call (callgrind on redis-server; {ALGORITHM} limits, keys existing)"
+        ),
+        &[("shape", 16)],
+        &[
+            ("req/call", 9),
+            ("instr/call", 11),
+            ("instr/req", 12),
+            ("empty script", 13),
+            ("script/req", 13),
+        ],
     );
     for shape in Shape::ALL {
         for per_call in REQUESTS_PER_CALL {
@@ -353,16 +373,15 @@ fn main() {
 
 /// The rlsd-side table: instructions and allocations per request, per store and shape.
 fn print_rlsd_side(redis: bool) {
-    println!(
-        "# rlsd instructions per request (callgrind, decode -> decide -> encode; rlsd's own, not Redis's)\n"
-    );
-    println!(
-        "| {:<7} | {:<16} | {:>12} | {:>15} | {:>9} | {:>8} |",
-        "store", "shape", "instr/req", "instr/descr", "vs 1 desc", "alloc/r"
-    );
-    println!(
-        "|{:-<9}|{:-<18}|{:->14}|{:->17}|{:->11}|{:->10}|",
-        "", "", "", "", "", ""
+    table_header(
+        "# rlsd instructions per request (callgrind, decode -> decide -> encode; rlsd's own, not Redis's)",
+        &[("store", 7), ("shape", 16)],
+        &[
+            ("instr/req", 12),
+            ("instr/descr", 15),
+            ("vs 1 desc", 9),
+            ("alloc/r", 8),
+        ],
     );
     let backends: &[Backend] = if redis {
         &[Backend::Memory, Backend::Redis]
