@@ -104,7 +104,6 @@ mod workload;
 use arc_swap::ArcSwap;
 use redis_server::Redis;
 use rlsd::config::Config;
-
 use rlsd::metrics::Metrics;
 use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
 use rlsd::pb::{

@@ -60,6 +60,13 @@ impl Redis {
         redis
     }
 
+    /// Shuts the server down cleanly (SHUTDOWN NOSAVE), so a wrapper sees it exit, and waits
+    /// for the process.
+    pub fn shutdown(mut self) {
+        let _ = self.cli(&["SHUTDOWN", "NOSAVE"]);
+        let _ = self.child.wait();
+    }
+
     /// redis-cli against this server; trimmed stdout if it ran.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
         let out = Command::new("redis-cli")
@@ -95,15 +102,6 @@ impl Redis {
         let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
             + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
         ticks * 10_000
-    }
-}
-
-impl Redis {
-    /// Shuts the server down cleanly (SHUTDOWN NOSAVE), so a wrapper sees it exit, and waits
-    /// for the process.
-    pub fn shutdown(mut self) {
-        let _ = self.cli(&["SHUTDOWN", "NOSAVE"]);
-        let _ = self.child.wait();
     }
 }
 
