@@ -2,7 +2,7 @@
 //!
 //! The accept loop never waits on a handshake: each accepted socket is handed to its own task,
 //! which runs the handshake under a timeout with an acceptor made from the current
-//! [`ServerConfig`], and forwards the connection to tonic only if the handshake succeeded. A
+//! [`ServerConfig`], and forwards the connection to the server only if the handshake succeeded. A
 //! failed handshake is logged at debug and the socket dropped.
 //!
 //! Reloads work like [`crate::reload`]: the contents of the certificate, key and client CA files
@@ -11,7 +11,6 @@
 //! in place, with a warning.
 
 use std::collections::hash_map::DefaultHasher;
-use std::convert::Infallible;
 use std::hash::{Hash, Hasher};
 use std::io;
 use std::net::SocketAddr;
@@ -31,7 +30,6 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
 
 /// How often the TLS files are checked for changes unless told otherwise.
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(5);
@@ -42,7 +40,7 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The only application protocol the gRPC port speaks.
 const ALPN_H2: &[u8] = b"h2";
 
-/// Connections that finished their handshake and wait for tonic to take them.
+/// Connections that finished their handshake and wait for the server to take them.
 const ACCEPTED_BACKLOG: usize = 128;
 
 /// Where the gRPC port's TLS material is read from (PEM files).
@@ -321,15 +319,6 @@ impl TlsConnection {
     }
 }
 
-impl Connected for TlsConnection {
-    /// tonic's own TLS connect info, so `Request::remote_addr` and `Request::peer_certs` work.
-    type ConnectInfo = TlsConnectInfo<TcpConnectInfo>;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.0.connect_info()
-    }
-}
-
 impl AsyncRead for TlsConnection {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -370,13 +359,13 @@ impl AsyncWrite for TlsConnection {
     }
 }
 
-/// The stream of handshaken connections tonic serves (`serve_with_incoming_shutdown`).
-pub type TlsIncoming = ReceiverStream<Result<TlsConnection, Infallible>>;
+/// The stream of handshaken connections the server serves.
+pub type TlsIncoming = ReceiverStream<TlsConnection>;
 
 /// Accepts TCP connections on `listener` and yields those whose TLS handshake succeeds.
 ///
 /// Must be called inside a tokio runtime. The accept loop ends, closing the listener, when the
-/// returned stream is dropped (tonic drops it at shutdown).
+/// returned stream is dropped (the server drops it at shutdown).
 pub fn incoming(listener: TcpListener, tls: Arc<TlsSettings>) -> TlsIncoming {
     let (accepted, stream) = mpsc::channel(ACCEPTED_BACKLOG);
     tokio::spawn(accept_loop(listener, tls, accepted));
@@ -386,26 +375,34 @@ pub fn incoming(listener: TcpListener, tls: Arc<TlsSettings>) -> TlsIncoming {
 async fn accept_loop(
     listener: TcpListener,
     tls: Arc<TlsSettings>,
-    accepted: mpsc::Sender<Result<TlsConnection, Infallible>>,
+    accepted: mpsc::Sender<TlsConnection>,
 ) {
     loop {
-        let next = tokio::select! {
+        let (socket, peer) = tokio::select! {
             () = accepted.closed() => return,
-            next = listener.accept() => next,
+            next = accept(&listener) => next,
         };
-        match next {
+        let handshake = handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
+        let accepted = accepted.clone();
+        tokio::spawn(async move {
+            if let Some(connection) = handshake.await {
+                // An error means the server stopped; the connection is dropped.
+                let _ = accepted.send(connection).await;
+            }
+        });
+    }
+}
+
+/// The next connection on `listener`, with `TCP_NODELAY` set; accept errors are logged and
+/// retried (after a pause when they are not about the one connection).
+pub(crate) async fn accept(listener: &TcpListener) -> (TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
             Ok((socket, peer)) => {
                 if let Err(error) = socket.set_nodelay(true) {
                     tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
                 }
-                let handshake = handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
-                let accepted = accepted.clone();
-                tokio::spawn(async move {
-                    if let Some(connection) = handshake.await {
-                        // An error means the server stopped; the connection is dropped.
-                        let _ = accepted.send(Ok(connection)).await;
-                    }
-                });
+                return (socket, peer);
             }
             Err(error) if per_connection(&error) => {
                 tracing::debug!(%error, "accept failed");

@@ -1,14 +1,23 @@
 //! Listeners, health, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
+mod connection;
+
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use hyper::body::Incoming;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
+use tokio_stream::StreamExt;
+use tonic::body::Body;
+use tonic::codegen::{BoxFuture, Service};
+use tonic::server::NamedService;
+use tonic::service::Routes;
 use tonic_health::server::HealthReporter;
 
 use crate::config::Config;
@@ -27,9 +36,6 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// The gRPC server failed.
-    #[error("grpc server: {0}")]
-    Grpc(#[from] tonic::transport::Error),
     /// The admin HTTP server failed.
     #[error("http server: {0}")]
     Http(#[source] std::io::Error),
@@ -189,17 +195,16 @@ pub async fn run_with<S: Store>(
         .tls
         .as_ref()
         .map(|tls| tokio::spawn(Arc::clone(tls).watch()));
-    let router = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(
-            // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
-            RateLimitServiceServer::from_arc(Arc::clone(&limiter))
-                .max_decoding_message_size(max_message_bytes),
-        );
+    let routes = GrpcRoutes {
+        // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
+        rate_limit: RateLimitServiceServer::from_arc(Arc::clone(&limiter))
+            .max_decoding_message_size(max_message_bytes),
+        others: Routes::new(health_service)
+            .add_service(reflection)
+            .prepare(),
+    };
     let grpc = serve_grpc(
-        router,
+        routes,
         listeners.grpc,
         options.tls.clone(),
         stopped(stop_rx.clone()),
@@ -212,33 +217,95 @@ pub async fn run_with<S: Store>(
     };
     let admin = axum::serve(listeners.http, http::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));
-    let (grpc, admin) = tokio::join!(grpc, admin);
+    let ((), admin) = tokio::join!(grpc, admin);
     prober.abort();
     if let Some(watcher) = tls_watcher {
         watcher.abort();
     }
-    grpc?;
     admin.map_err(ServerError::Http)?;
     Ok(())
 }
 
-/// Serves `router` on `listener`: plain TCP, or TLS handshakes done off the accept loop.
-async fn serve_grpc(
-    router: tonic::transport::server::Router,
+/// The gRPC services: `RateLimitService` called directly, the rest (health, reflection) through
+/// tonic's router, which boxes and matches every call.
+struct GrpcRoutes<S: Store> {
+    rate_limit: RateLimitServiceServer<RateLimiter<S>>,
+    others: Routes,
+}
+
+impl<S: Store> Clone for GrpcRoutes<S> {
+    fn clone(&self) -> Self {
+        GrpcRoutes {
+            rate_limit: self.rate_limit.clone(),
+            others: self.others.clone(),
+        }
+    }
+}
+
+impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes<S> {
+    type Response = ::http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<::http::Response<Body>, Infallible>;
+
+    fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
+        let path = request.uri().path();
+        let rate_limit = path
+            .strip_prefix('/')
+            .and_then(|path| path.strip_prefix(RateLimitServiceServer::<RateLimiter<S>>::NAME))
+            .is_some_and(|method| method.starts_with('/'));
+        // Both services are always ready (tonic's generated servers and router say so), so
+        // `call` needs no `poll_ready` first.
+        if rate_limit {
+            self.rate_limit.clone().call(request.map(Body::new))
+        } else {
+            let mut others = self.others.clone();
+            Box::pin(others.call(request))
+        }
+    }
+}
+
+/// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), until
+/// `signal`; then closes the listener, shuts each connection down gracefully, and returns when
+/// the last one has ended.
+async fn serve_grpc<S: Store>(
+    routes: GrpcRoutes<S>,
     listener: TcpListener,
     tls: Option<Arc<TlsSettings>>,
     signal: impl Future<Output = ()>,
-) -> Result<(), tonic::transport::Error> {
+) {
+    let (closing, closing_rx) = tokio::sync::watch::channel(false);
+    let mut signal = pin!(signal);
     match tls {
         None => {
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-            router.serve_with_incoming_shutdown(incoming, signal).await
+            loop {
+                tokio::select! {
+                    () = &mut signal => break,
+                    (socket, _) = crate::tls::accept(&listener) => {
+                        connection::spawn(socket, routes.clone(), closing_rx.clone());
+                    }
+                }
+            }
+            drop(listener);
         }
         Some(tls) => {
-            let incoming = crate::tls::incoming(listener, tls);
-            router.serve_with_incoming_shutdown(incoming, signal).await
+            // Dropping the stream ends its accept loop, which closes the listener.
+            let mut incoming = crate::tls::incoming(listener, tls);
+            loop {
+                tokio::select! {
+                    () = &mut signal => break,
+                    next = incoming.next() => match next {
+                        Some(tls_connection) => {
+                            connection::spawn(tls_connection, routes.clone(), closing_rx.clone());
+                        }
+                        None => break,
+                    },
+                }
+            }
         }
     }
+    let _ = closing.send(true);
+    drop(closing_rx);
+    closing.closed().await;
 }
 
 async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
