@@ -1,5 +1,6 @@
 //! The bench tool's lean HTTP/2 client (`benches/support/rawh2.rs`) against a real rlsd over
-//! loopback: its figures are only as good as its framing, its answers and its schedule.
+//! loopback: its figures are only as good as its framing, its answers and its schedule. With
+//! the client's framing, also what rlsd's answers look like on the wire.
 
 mod common;
 
@@ -134,5 +135,96 @@ async fn an_open_loop_sends_exactly_its_schedule() {
             .iter()
             .all(|(_, code)| code.as_ref().ok() == Some(&i32::from(Code::Ok)))
     );
+    server.stop().await;
+}
+
+/// The frames of stream 1 in one read from the socket: (type, flags, payload length).
+type FramesOfRead = Vec<(u8, u8, usize)>;
+
+/// Sends one request on a fresh connection, by hand, and returns the frames of stream 1 that
+/// each read brought, until the stream ended.
+fn one_request_by_hand(addr: std::net::SocketAddr, body: &[u8]) -> Vec<FramesOfRead> {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect");
+    socket.set_nodelay(true).expect("nodelay");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut out = rawh2::PREFACE.to_vec();
+    rawh2::frame_header(&mut out, 0, rawh2::SETTINGS, 0, 0);
+    let block = rawh2::header_block(&addr.to_string());
+    rawh2::frame_header(&mut out, block.len(), rawh2::HEADERS, rawh2::END_HEADERS, 1);
+    out.extend_from_slice(&block);
+    rawh2::frame_header(&mut out, body.len(), rawh2::DATA, rawh2::END_STREAM, 1);
+    out.extend_from_slice(body);
+    socket.write_all(&out).expect("send");
+    let (mut pending, mut reads) = (Vec::new(), Vec::new());
+    let mut buf = [0_u8; 65_536];
+    loop {
+        let n = socket.read(&mut buf).expect("read");
+        assert!(
+            n > 0,
+            "the server closed before the stream ended: {reads:?}"
+        );
+        pending.extend_from_slice(&buf[..n]);
+        let mut frames = Vec::new();
+        let mut ended = false;
+        while pending.len() >= 9 {
+            let len = usize::from(pending[0]) << 16
+                | usize::from(pending[1]) << 8
+                | usize::from(pending[2]);
+            if pending.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (pending[3], pending[4]);
+            let stream = u32::from_be_bytes([pending[5], pending[6], pending[7], pending[8]]);
+            if stream == 1 {
+                frames.push((kind, flags, len));
+                ended |= flags & rawh2::END_STREAM != 0;
+            }
+            pending.drain(..9 + len);
+        }
+        if !frames.is_empty() {
+            reads.push(frames);
+        }
+        if ended {
+            return reads;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_leaves_in_one_write() {
+    // h2 flushes before a chained DATA payload's next frame; rlsd's answers are small enough
+    // to be copied instead, so HEADERS, DATA and the trailers go out together. Were they two
+    // writes, this client, blocked in `read`, would wake for the first.
+    let server = TestServer::start(CONFIG).await;
+    let addr = server.grpc;
+    for round in 0..3 {
+        // Four descriptors: an answer of four statuses and their headers, a DATA payload
+        // above the 256 bytes h2 would chain.
+        let descriptors = (0..4)
+            .map(|d| descriptor(&[("client", &format!("c{round}-{d}"))]))
+            .collect();
+        let body = h2load::grpc_body(&request("bench", descriptors));
+        let reads = tokio::task::spawn_blocking(move || one_request_by_hand(addr, &body))
+            .await
+            .expect("client thread");
+        let kinds: Vec<Vec<(u8, u8)>> = reads
+            .iter()
+            .map(|read| read.iter().map(|&(kind, flags, _)| (kind, flags)).collect())
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![vec![
+                (rawh2::HEADERS, rawh2::END_HEADERS),
+                (rawh2::DATA, 0),
+                (rawh2::HEADERS, rawh2::END_HEADERS | rawh2::END_STREAM),
+            ]],
+            "the answer's frames, by read"
+        );
+        let data = reads[0][1].2;
+        assert!(data > 256, "a DATA payload of {data} bytes tests nothing");
+    }
     server.stop().await;
 }

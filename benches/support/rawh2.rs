@@ -31,19 +31,19 @@ use rlsd::pb::RateLimitResponse;
 
 /// The gRPC method every request calls.
 const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-const DATA: u8 = 0x0;
-const HEADERS: u8 = 0x1;
+pub const DATA: u8 = 0x0;
+pub const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
-const SETTINGS: u8 = 0x4;
+pub const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
 const WINDOW_UPDATE: u8 = 0x8;
 
-const END_STREAM: u8 = 0x1;
+pub const END_STREAM: u8 = 0x1;
 const ACK: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
+pub const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 
 const SETTINGS_ENABLE_PUSH: u16 = 0x2;
@@ -141,7 +141,7 @@ impl Request {
     }
 }
 
-fn frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
+pub fn frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
     let len = u32::try_from(len).expect("a frame under 16 MiB");
     out.extend_from_slice(&len.to_be_bytes()[1..]);
     out.push(kind);
@@ -174,7 +174,7 @@ fn hpack_string(out: &mut Vec<u8>, text: &str) {
 
 /// The request header block: static-table entries and literals without indexing, so no
 /// dynamic table state and the same bytes for every request.
-fn header_block(authority: &str) -> Vec<u8> {
+pub fn header_block(authority: &str) -> Vec<u8> {
     let mut block = vec![
         0x83, // :method: POST (static index 3)
         0x86, // :scheme: http (static index 6)

@@ -2,13 +2,12 @@
 //!
 //! tonic's server has hyper spawn every stream as a task of its own. On a multi-thread runtime
 //! the stream's task and the connection's task then wake each other across workers for every
-//! request (a futex wake, often a context switch on each side), and about 40 % of responses
-//! left in two writes, HEADERS+DATA then the trailers, because the connection's task flushed on
-//! the other worker between them. Here hyper's executor queues a connection's streams for the
-//! connection's own task, which polls them beside the connection, and a wake that arrives while
-//! that task is polling sends it round once more instead of through the runtime: a request the
-//! store answers at once is answered in the poll that read it, in one write. Connections still
-//! spread over the workers.
+//! request: a futex wake, often a context switch on each side. Here hyper's executor queues a
+//! connection's streams for the connection's own task, which polls them beside the connection,
+//! and a wake that arrives while that task is polling sends it round once more instead of
+//! through the runtime: a request the store answers at once is answered in the poll that read
+//! it. Connections still spread over the workers. The socket is also shown to h2 as unable to
+//! write vectored, so that an answer leaves in one write (see [`UnvectoredWrites`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -55,7 +54,7 @@ where
         .max_concurrent_streams(None)
         // gRPC clients have no use for a `date` header; it would be encoded into every answer.
         .auto_date_header(false);
-    let connection = builder.serve_connection(TokioIo::new(io), service);
+    let connection = builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service);
     tokio::spawn(async move {
         let mut served = Served::new(queue, connection);
         let closed_early = tokio::select! {
@@ -74,6 +73,45 @@ where
         }
         drop(closing);
     });
+}
+
+/// Reports the socket as without vectored writes, so that h2 copies DATA payloads of up to
+/// 1 KiB into its write buffer (256 bytes with vectored writes). A bigger payload is chained
+/// instead, and h2 flushes before it encodes the next frame: every answer of rlsd's, HEADERS,
+/// DATA of about 300 bytes and trailers, then took two `writev` calls, and two wake-ups of the
+/// client. Now it takes one write.
+struct UnvectoredWrites<I>(I);
+
+impl<I: AsyncRead + Unpin> AsyncRead for UnvectoredWrites<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for UnvectoredWrites<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        false
+    }
 }
 
 /// hyper's executor for one connection: queues each stream for the connection's own task.
