@@ -214,7 +214,7 @@ fn script_sha() -> String {
 }
 
 #[test]
-fn json_logs_are_one_object_per_line() {
+fn json_logs_are_one_object_per_line_and_report_the_worker_threads() {
     let (grpc, http) = (free_port(), free_port());
     let mut child = Command::new(RLSD)
         .args([
@@ -223,6 +223,8 @@ fn json_logs_are_one_object_per_line() {
             "examples/three-layer.yaml",
             "--log-format",
             "json",
+            "--worker-threads",
+            "3",
         ])
         .args([
             "--grpc-addr",
@@ -255,9 +257,10 @@ fn json_logs_are_one_object_per_line() {
             serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?} is not JSON: {e}"))
         })
         .collect();
-    assert!(
-        lines.iter().any(|l| l["fields"]["message"] == "serving"),
-        "{stderr}"
-    );
+    let serving = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "serving")
+        .unwrap_or_else(|| panic!("no serving line: {stderr}"));
+    assert_eq!(serving["fields"]["workers"], 3, "{stderr}");
     assert!(lines.iter().all(|l| l["level"].is_string()), "{stderr}");
 }
