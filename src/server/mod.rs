@@ -227,7 +227,9 @@ pub async fn run_with<S: Store>(
 }
 
 /// The gRPC services: `RateLimitService` called directly, the rest (health, reflection) through
-/// tonic's router, which boxes and matches every call.
+/// tonic's router, which boxes and matches every call. Unlike tonic's own server this does not
+/// cut a call off at its `grpc-timeout`: every store call has its own bound
+/// (`--redis-command-timeout-ms`), and a client past its deadline has stopped listening.
 struct GrpcRoutes<S: Store> {
     rate_limit: RateLimitServiceServer<RateLimiter<S>>,
     others: Routes,
