@@ -127,6 +127,15 @@ impl Drop for Running {
     }
 }
 
+/// Replaces `file` the way editors and `kubectl cp` do, by renaming a finished copy over it: a
+/// plain `fs::write` truncates first, and a reload that reads the empty file in between rightly
+/// rejects it, which made this test's error count and log racy.
+fn replace(file: &std::path::Path, text: &str) {
+    let staged = file.with_extension("staged");
+    std::fs::write(&staged, text).expect("write");
+    std::fs::rename(&staged, file).expect("rename");
+}
+
 #[tokio::test]
 async fn a_changed_file_reloads_without_restart_and_counters_survive() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -136,7 +145,7 @@ async fn a_changed_file_reloads_without_restart_and_counters_survive() {
     assert_eq!(rlsd.remaining("ann").await, 2);
     assert_eq!(rlsd.remaining("ann").await, 1);
 
-    std::fs::write(&file, config(5)).expect("write");
+    replace(&file, &config(5));
     rlsd.wait_for_config("live.user: 5 per day").await;
     // Raised mid-window, the new limit applies to the current window: 3 used of 5.
     assert_eq!(rlsd.remaining("ann").await, 2);
@@ -146,11 +155,10 @@ async fn a_changed_file_reloads_without_restart_and_counters_survive() {
     );
 
     // A broken edit is rejected, counted, and changes nothing.
-    std::fs::write(
+    replace(
         &file,
         "domain: live\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight}\n",
-    )
-    .expect("write");
+    );
     let deadline = Instant::now() + Duration::from_secs(15);
     while rlsd.metric("ratelimit_service_config_load_error").await < 1.0 {
         assert!(
