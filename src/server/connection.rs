@@ -10,12 +10,14 @@
 //! write vectored, so that an answer leaves in one write (see [`UnvectoredWrites`]).
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::task::AtomicWaker;
 use hyper::body::Incoming;
@@ -120,6 +122,13 @@ struct StreamQueue(Arc<Shared>);
 
 impl<F: Future<Output = ()> + Send + 'static> hyper::rt::Executor<F> for StreamQueue {
     fn execute(&self, stream: F) {
+        // A panic in one stream's handler ends that stream (hyper resets it when the future is
+        // dropped), not the connection's other streams, as it would with a task per stream.
+        let stream = AssertUnwindSafe(stream).catch_unwind().map(|result| {
+            if result.is_err() {
+                tracing::error!("a request handler panicked; its stream is reset");
+            }
+        });
         self.0
             .queued
             .lock()
@@ -198,9 +207,9 @@ impl<C: Future> Future for Served<C> {
         } = self.get_mut();
         shared.task.register(cx.waker());
         let mut inner = Context::from_waker(waker);
+        shared.polling.store(true, Ordering::SeqCst);
+        shared.woken.store(false, Ordering::SeqCst);
         for _ in 0..MAX_ROUNDS {
-            shared.polling.store(true, Ordering::SeqCst);
-            shared.woken.store(false, Ordering::SeqCst);
             // The connection first: it reads new requests (queueing their streams) and writes
             // what the streams answered in the previous round.
             if let Poll::Ready(output) = connection.as_mut().poll(&mut inner) {
@@ -213,11 +222,23 @@ impl<C: Future> Future for Served<C> {
             );
             streams.extend(adopted.drain(..));
             while let Poll::Ready(Some(())) = streams.poll_next_unpin(&mut inner) {}
-            shared.polling.store(false, Ordering::SeqCst);
-            if !shared.woken.load(Ordering::SeqCst) {
-                return Poll::Pending;
+            // Taking the flag (not a blind reset at the top of the round) keeps a wake that
+            // lands between rounds, with the ordering the waker's store gave it.
+            if !shared.woken.swap(false, Ordering::SeqCst) {
+                shared.polling.store(false, Ordering::SeqCst);
+                // A wake between the swap and this store saw `polling` still set.
+                if !shared.woken.swap(false, Ordering::SeqCst) {
+                    return Poll::Pending;
+                }
+                shared.polling.store(true, Ordering::SeqCst);
+            }
+            // With tokio's budget for this poll spent, its resources answer Pending and wake
+            // at once: more rounds would only spin.
+            if !tokio::task::coop::has_budget_remaining() {
+                break;
             }
         }
+        shared.polling.store(false, Ordering::SeqCst);
         cx.waker().wake_by_ref();
         Poll::Pending
     }
@@ -285,6 +306,16 @@ mod tests {
             0,
             "woken through the runtime"
         );
+    }
+
+    #[test]
+    fn a_panicking_stream_leaves_the_connections_other_streams_running() {
+        let queue = StreamQueue::default();
+        queue.execute(async { panic!("a handler's bug") });
+        let connection = connection_with_one_stream(queue.clone(), std::future::ready(()));
+        let mut served = Served::new(queue, connection);
+        let runtime = Arc::new(RuntimeWaker::default());
+        assert!(poll_once(&mut served, &runtime).is_ready());
     }
 
     #[test]
