@@ -67,7 +67,7 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Serve Envoy's RateLimitService over gRPC.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Validate a config, print the limits it defines, exit 1 on errors.
     Check {
         /// A YAML file, or a directory of `*.yaml` files (one domain each).
@@ -146,6 +146,10 @@ struct ServeArgs {
     /// On SIGTERM/SIGINT: seconds to keep answering with health NOT_SERVING before closing.
     #[arg(long, env = "RLSD_DRAIN_SECONDS", default_value_t = 0.0)]
     drain_seconds: f64,
+    /// After the drain: the longest wait, in seconds, for open calls and connections to finish
+    /// (a health `Watch` stream never does) before rlsd exits anyway.
+    #[arg(long, env = "RLSD_SHUTDOWN_GRACE_SECONDS", default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64())]
+    shutdown_grace_seconds: f64,
     /// Usage ratio above which allowed hits also count in `near_limit`.
     #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO)]
     near_limit_ratio: f64,
@@ -219,7 +223,7 @@ fn main() -> ExitCode {
     init_logs(&cli);
     let result = match cli.command {
         Command::Check { config } => return check(&config),
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Simulate(args) => rlsd::simulate::run(&args).map_err(Into::into),
     };
     match result {
@@ -371,6 +375,8 @@ async fn serve_with<S: Store>(
     let options = ServeOptions {
         drain: Duration::try_from_secs_f64(args.drain_seconds)
             .context("--drain-seconds must be a non-negative number")?,
+        shutdown_grace: Duration::try_from_secs_f64(args.shutdown_grace_seconds)
+            .context("--shutdown-grace-seconds must be a non-negative number")?,
         tls: tls.clone(),
     };
     let grpc_tls = match &tls {

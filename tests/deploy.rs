@@ -2325,11 +2325,13 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
         }
         let ports = c.get("ports").map(Value::seq).unwrap_or_default();
         if is_rlsd(c) {
-            let drain = check_rlsd_container(&what, c, pod, docs);
+            let (drain, shutdown_grace) = check_rlsd_container(&what, c, pod, docs);
             rlsd_drain = Some(drain);
+            // Kubernetes kills the pod at its grace period: rlsd's drain and its wait for open
+            // calls must both fit, or its last answers are cut off.
             assert!(
-                (grace as f64) > drain,
-                "{what}: terminationGracePeriodSeconds {grace} must exceed --drain-seconds {drain}"
+                (grace as f64) > drain + shutdown_grace,
+                "{what}: terminationGracePeriodSeconds {grace} must exceed --drain-seconds {drain} plus --shutdown-grace-seconds {shutdown_grace}"
             );
         } else {
             if let Some(s) = c.at("lifecycle.preStop.sleep.seconds").and_then(Value::int) {
@@ -2356,8 +2358,8 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
     }
 }
 
-/// Checks an rlsd container against the binary; returns its drain seconds.
-fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> f64 {
+/// Checks an rlsd container against the binary; returns its drain and shutdown grace seconds.
+fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> (f64, f64) {
     let settings = RlsdSettings::of(c, what);
     let ports = c.get("ports").map(Value::seq).unwrap_or_default();
     let grpc = i64::from(port_of(settings.get("--grpc-addr").expect("grpc addr")));
@@ -2516,11 +2518,19 @@ fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> f
             "{what}: Service {service} has no port {port}"
         );
     }
-    settings
-        .get("--drain-seconds")
-        .unwrap_or("0")
-        .parse::<f64>()
-        .expect("drain seconds")
+    let seconds = |flag: &str, default: f64| {
+        settings
+            .get(flag)
+            .map_or(Ok(default), str::parse::<f64>)
+            .unwrap_or_else(|error| panic!("{what}: {flag}: {error}"))
+    };
+    (
+        seconds("--drain-seconds", 0.0),
+        seconds(
+            "--shutdown-grace-seconds",
+            rlsd::server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(),
+        ),
+    )
 }
 
 fn check_service(what: &str, doc: &Value, docs: &[Value]) {

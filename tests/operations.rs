@@ -280,6 +280,55 @@ async fn calls_in_flight_at_shutdown_all_complete() {
     stall.join().expect("stall thread");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_never_ends_holds_shutdown_only_for_the_grace_period() {
+    let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
+    let grace = Duration::from_millis(500);
+    let options = ServeOptions {
+        shutdown_grace: grace,
+        ..ServeOptions::default()
+    };
+    let (grpc, _http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
+    // A health Watch, as Kubernetes' gRPC probes and Envoy's health checker hold one open.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut watch = HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("watch starts")
+        .into_inner();
+    let first = watch
+        .message()
+        .await
+        .expect("watch answers")
+        .expect("a status");
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+
+    let stopped_at = Instant::now();
+    let _ = stop.send(());
+    // The watcher hears NOT_SERVING first, while the server waits for the stream to end.
+    let next = watch
+        .message()
+        .await
+        .expect("still streaming")
+        .expect("a status");
+    assert_eq!(next.status, ServingStatus::NotServing as i32);
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("the server stops though the watch stream never ends")
+        .expect("server");
+    assert!(
+        stopped_at.elapsed() >= grace,
+        "the open stream was given its grace period, not cut at once: {:?}",
+        stopped_at.elapsed()
+    );
+}
+
 #[tokio::test]
 async fn the_json_endpoint_answers_200_429_and_400() {
     let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));

@@ -99,13 +99,31 @@ impl Health {
 }
 
 /// Server behaviour beyond the sockets.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ServeOptions {
     /// After the shutdown signal: how long to keep answering, with health NOT_SERVING, so
     /// load balancers and Envoy stop sending before the listeners close.
     pub drain: Duration,
+    /// After the listeners close: the longest wait for connections to finish their calls. A
+    /// stream that never ends by itself (a health `Watch`, a client that stopped reading)
+    /// would otherwise keep the process alive until it is killed.
+    pub shutdown_grace: Duration,
     /// TLS (and mutual TLS) on the gRPC port, reloaded from its files; `None`: plain TCP.
     pub tls: Option<Arc<TlsSettings>>,
+}
+
+/// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
+/// its command timeout), and well inside Kubernetes' default 30 s termination grace period.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            drain: Duration::ZERO,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            tls: None,
+        }
+    }
 }
 
 /// Serves `limiter` until `shutdown` completes, with no drain period.
@@ -129,7 +147,8 @@ pub async fn run<S: Store>(
 }
 
 /// Serves `limiter` until `shutdown` completes; then turns health NOT_SERVING, keeps answering
-/// for `options.drain`, stops accepting, and lets in-flight calls finish.
+/// for `options.drain`, stops accepting, and lets in-flight calls finish, waiting at most
+/// `options.shutdown_grace` for them.
 ///
 /// # Errors
 /// When a listener fails.
@@ -208,6 +227,7 @@ pub async fn run_with<S: Store>(
         listeners.grpc,
         options.tls.clone(),
         stopped(stop_rx.clone()),
+        options.shutdown_grace,
     );
     let admin_state = AdminState {
         config,
@@ -268,12 +288,13 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
 
 /// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), until
 /// `signal`; then closes the listener, shuts each connection down gracefully, and returns when
-/// the last one has ended.
+/// the last one has ended or `grace` has passed, whichever is first.
 async fn serve_grpc<S: Store>(
     routes: GrpcRoutes<S>,
     listener: TcpListener,
     tls: Option<Arc<TlsSettings>>,
     signal: impl Future<Output = ()>,
+    grace: Duration,
 ) {
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let mut signal = pin!(signal);
@@ -307,7 +328,13 @@ async fn serve_grpc<S: Store>(
     }
     let _ = closing.send(true);
     drop(closing_rx);
-    closing.closed().await;
+    if tokio::time::timeout(grace, closing.closed()).await.is_err() {
+        tracing::warn!(
+            connections = closing.receiver_count(),
+            ?grace,
+            "connections still open after the shutdown grace period; closing them"
+        );
+    }
 }
 
 async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
