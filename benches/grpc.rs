@@ -1325,6 +1325,10 @@ struct Plotted {
 }
 
 fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("RLSD_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
     let opts = Opts::from_env();
     let client_rt = runtime(opts.client_threads, "bench-client");
     let server_rt = (!opts.shared).then(|| runtime(opts.server_threads, "bench-server"));

@@ -35,23 +35,23 @@ pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 pub const DATA: u8 = 0x0;
 pub const HEADERS: u8 = 0x1;
-const RST_STREAM: u8 = 0x3;
+pub const RST_STREAM: u8 = 0x3;
 pub const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
-const GOAWAY: u8 = 0x7;
-const WINDOW_UPDATE: u8 = 0x8;
+pub const GOAWAY: u8 = 0x7;
+pub const WINDOW_UPDATE: u8 = 0x8;
 
 pub const END_STREAM: u8 = 0x1;
-const ACK: u8 = 0x1;
+pub const ACK: u8 = 0x1;
 pub const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 
 const SETTINGS_ENABLE_PUSH: u16 = 0x2;
-const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
-const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+pub const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+pub const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
 
 /// The largest flow-control window HTTP/2 allows.
-const MAX_WINDOW: u32 = (1 << 31) - 1;
+pub const MAX_WINDOW: u32 = (1 << 31) - 1;
 /// A connection's default window, before any WINDOW_UPDATE.
 const DEFAULT_WINDOW: i64 = 65_535;
 /// Received DATA bytes after which the connection window is topped up again.

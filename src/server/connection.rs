@@ -31,6 +31,15 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// Rounds one poll makes at most before it yields, so one busy connection cannot hold a worker.
 const MAX_ROUNDS: usize = 16;
 
+/// Streams a client may have open on one connection (SETTINGS_MAX_CONCURRENT_STREAMS). h2 closes
+/// a connection with GOAWAY ENHANCE_YOUR_CALM ("too_many_data_frames") once the small DATA
+/// frames it holds unread cost more than half its connection window (hyper's 1 MiB) in framing,
+/// up to 255 bytes each; every gRPC request from tonic is one such frame until it is read. With
+/// no limit, a burst of a few thousand ordinary requests (a client's backlog after a stall) closed
+/// the connection on all of them. 1024 streams stay inside the budget whatever the request, and
+/// match Envoy's default circuit breaker of 1024 requests in flight to a cluster.
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 1024;
+
 type StreamTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Serves `io` as one HTTP/2 connection on its own task, until the peer leaves or `closing`
@@ -53,7 +62,7 @@ where
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(KEEPALIVE_INTERVAL)
-        .max_concurrent_streams(None)
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         // gRPC clients have no use for a `date` header; it would be encoded into every answer.
         .auto_date_header(false);
     let connection = builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service);
