@@ -4,8 +4,8 @@
 //! Servers in this process, all driven by the same tonic client code (HTTP/2, one connection per
 //! channel, many streams each):
 //! - `baseline`: implements the same `RateLimitService` trait and answers OK with one OK status
-//!   per descriptor at once, served with the same tonic settings as `server::run` (TCP_NODELAY,
-//!   30 s HTTP/2 keepalive);
+//!   per descriptor at once, served by tonic with `server::run`'s settings (TCP_NODELAY, 30 s
+//!   HTTP/2 keepalive, 1024 concurrent streams);
 //! - `rlsd`: `server::run` with `MemoryStore::new` on the system clock;
 //! - `redis`: `server::run` with the Redis store, coalescing concurrent requests (default
 //!   `max_batch`), on a private redis-server the bench starts on a free loopback port;
@@ -81,6 +81,9 @@
 //! Answers are checked: OK (overall OK and one OK status per descriptor), OVER_LIMIT, wrong
 //! (anything else) and gRPC errors are counted and printed; any of the last three is reported
 //! loudly, as is a request never answered.
+//!
+//! `RLSD_LOG` (a `tracing` filter, e.g. `rlsd=debug,h2=debug`) logs what the servers in this
+//! process log, to stderr: why a connection ended, say.
 //!
 //! Run: `cargo bench --bench grpc`.
 
@@ -315,6 +318,7 @@ async fn start_service<T: RateLimitService>(service: T) -> SocketAddr {
     tokio::spawn(async move {
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .max_concurrent_streams(Some(server::MAX_CONCURRENT_STREAMS))
             .add_service(RateLimitServiceServer::new(service))
             .serve_with_incoming(incoming)
             .await

@@ -38,7 +38,7 @@ const MAX_ROUNDS: usize = 16;
 /// no limit, a burst of a few thousand ordinary requests (a client's backlog after a stall) closed
 /// the connection on all of them. 1024 streams stay inside the budget whatever the request, and
 /// match Envoy's default circuit breaker of 1024 requests in flight to a cluster.
-pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 1024;
+pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 type StreamTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 

@@ -2,6 +2,8 @@
 
 mod connection;
 
+pub use connection::MAX_CONCURRENT_STREAMS;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
