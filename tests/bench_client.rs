@@ -169,20 +169,11 @@ fn one_request_by_hand(addr: std::net::SocketAddr, body: &[u8]) -> Vec<FramesOfR
         pending.extend_from_slice(&buf[..n]);
         let mut frames = Vec::new();
         let mut ended = false;
-        while pending.len() >= 9 {
-            let len = usize::from(pending[0]) << 16
-                | usize::from(pending[1]) << 8
-                | usize::from(pending[2]);
-            if pending.len() < 9 + len {
-                break;
-            }
-            let (kind, flags) = (pending[3], pending[4]);
-            let stream = u32::from_be_bytes([pending[5], pending[6], pending[7], pending[8]]);
+        while let Some((kind, flags, stream, payload)) = rawh2::take_frame(&mut pending) {
             if stream == 1 {
-                frames.push((kind, flags, len));
+                frames.push((kind, flags, payload.len()));
                 ended |= flags & rawh2::END_STREAM != 0;
             }
-            pending.drain(..9 + len);
         }
         if !frames.is_empty() {
             reads.push(frames);

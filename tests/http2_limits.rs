@@ -42,18 +42,8 @@ type Frame = (u8, u8, u32, Vec<u8>);
 fn read_frame(socket: &mut TcpStream, pending: &mut Vec<u8>) -> Frame {
     let mut buf = [0_u8; 65_536];
     loop {
-        if pending.len() >= 9 {
-            let len = usize::from(pending[0]) << 16
-                | usize::from(pending[1]) << 8
-                | usize::from(pending[2]);
-            if pending.len() >= 9 + len {
-                let (kind, flags) = (pending[3], pending[4]);
-                let stream = u32::from_be_bytes([pending[5], pending[6], pending[7], pending[8]])
-                    & !(1 << 31);
-                let payload = pending[9..9 + len].to_vec();
-                pending.drain(..9 + len);
-                return (kind, flags, stream, payload);
-            }
+        if let Some(frame) = rawh2::take_frame(pending) {
+            return frame;
         }
         let n = socket.read(&mut buf).expect("read");
         assert!(n > 0, "the server closed the connection");

@@ -141,6 +141,18 @@ impl Request {
     }
 }
 
+/// One whole frame off the front of `pending`, as (type, flags, stream, payload); `None` until
+/// it has all arrived. For tests that read a connection by hand.
+pub fn take_frame(pending: &mut Vec<u8>) -> Option<(u8, u8, u32, Vec<u8>)> {
+    let header = pending.get(..9)?;
+    let len = usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+    let (kind, flags) = (header[3], header[4]);
+    let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & !(1 << 31);
+    let payload = pending.get(9..9 + len)?.to_vec();
+    pending.drain(..9 + len);
+    Some((kind, flags, stream, payload))
+}
+
 pub fn frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
     let len = u32::try_from(len).expect("a frame under 16 MiB");
     out.extend_from_slice(&len.to_be_bytes()[1..]);
