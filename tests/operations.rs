@@ -157,12 +157,17 @@ async fn metrics_after_traffic_have_exact_values() {
     task.await.expect("server");
 }
 
-async fn grpc_health(grpc: std::net::SocketAddr, service: &str) -> ServingStatus {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+/// A gRPC channel to the server at `grpc`.
+async fn channel(grpc: std::net::SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
         .expect("endpoint")
         .connect()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+async fn grpc_health(grpc: std::net::SocketAddr, service: &str) -> ServingStatus {
+    let channel = channel(grpc).await;
     let mut client = HealthClient::new(channel);
     let response = client
         .check(HealthCheckRequest {
@@ -290,11 +295,7 @@ async fn a_stream_that_never_ends_holds_shutdown_only_for_the_grace_period() {
     };
     let (grpc, _http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
     // A health Watch, as Kubernetes' gRPC probes and Envoy's health checker hold one open.
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
+    let channel = channel(grpc).await;
     let mut watch = HealthClient::new(channel)
         .watch(HealthCheckRequest {
             service: String::new(),
@@ -367,11 +368,7 @@ async fn grpc_reflection_lists_the_services() {
     let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
     let (grpc, _http, stop, task, _) =
         spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
+    let channel = channel(grpc).await;
     let mut client = ServerReflectionClient::new(channel);
     let ask = ServerReflectionRequest {
         host: String::new(),
