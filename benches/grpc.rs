@@ -63,8 +63,10 @@
 //! the first open-loop fraction to `RLSD_BENCH_PLOT` (default `target/rlsd-bench.svg`).
 //!
 //! Threads: the servers run on their own tokio runtime (`RLSD_BENCH_SERVER_THREADS`, default 2,
-//! threads named `bench-server`), the clients on another (`RLSD_BENCH_CLIENT_THREADS`, default 2,
-//! `bench-client`); `RLSD_BENCH_SHARED=1` puts both on one runtime. Variants tried on this
+//! threads named `bench-server`), and each rlsd serves its connections on lanes of its own
+//! (`RLSD_BENCH_LANES`, default the server threads; 0 serves them on the server runtime, as
+//! before lanes; lane threads count as server CPU), the clients on another runtime
+//! (`RLSD_BENCH_CLIENT_THREADS`, default 2, `bench-client`); `RLSD_BENCH_SHARED=1` puts both on one runtime. Variants tried on this
 //! 2-core machine (peak, 3 rounds, rlsd / baseline): 1+1 gave 0.77 (3 desc) / 0.81 (1 desc) and
 //! 0.79 / 0.95, 2+2 gave 0.69 / 0.80, 0.73 / 0.82 and 0.78 / 1.08, one shared 2-worker runtime
 //! 0.86 / 1.00 and 0.79 / 0.91 (other jobs were loading the machine: spread is ±10 %). 2+2 is the
@@ -113,7 +115,7 @@ use rlsd::pb::{
     RateLimitRequest, RateLimitResponse, RateLimitService, RateLimitServiceClient,
     RateLimitServiceServer,
 };
-use rlsd::server::{self, Listeners};
+use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
 use tokio::net::TcpListener;
@@ -141,6 +143,7 @@ struct Opts {
     connections: usize,
     inflight: usize,
     server_threads: usize,
+    lanes: usize,
     client_threads: usize,
     shared: bool,
     extra: bool,
@@ -173,6 +176,10 @@ impl Opts {
             connections: var("RLSD_BENCH_CONNECTIONS", 4_usize).max(1),
             inflight: var("RLSD_BENCH_INFLIGHT", 16_usize).max(1),
             server_threads: var("RLSD_BENCH_SERVER_THREADS", 2_usize).max(1),
+            lanes: var(
+                "RLSD_BENCH_LANES",
+                var("RLSD_BENCH_SERVER_THREADS", 2_usize).max(1),
+            ),
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
@@ -273,16 +280,25 @@ fn limiter_with(algorithm: &str, settings: ServiceSettings) -> (Limiter, Arc<Arc
 /// A server's gRPC address, and its counters when it is rlsd.
 type Served = (SocketAddr, Option<Arc<Metrics>>);
 
-/// Starts `limiter` under `server::run` (as the binary does) on the current runtime; returns
-/// its gRPC address and counters.
-async fn start_server<S: Store>(limiter: RateLimiter<S>, config: Arc<ArcSwap<Config>>) -> Served {
+/// Starts `limiter` under `server::run_with` (as the binary does) on the current runtime, its
+/// connections served on `lanes` of its own (0: on this runtime); returns its gRPC address and
+/// counters.
+async fn start_server<S: Store>(
+    limiter: RateLimiter<S>,
+    config: Arc<ArcSwap<Config>>,
+    lanes: usize,
+) -> Served {
     let metrics = limiter.metrics();
     let listeners = Listeners::bind(loopback(), loopback())
         .await
         .expect("bind rlsd");
     let addr = listeners.grpc.local_addr().expect("rlsd address");
     tokio::spawn(async move {
-        server::run(limiter, config, listeners, std::future::pending())
+        let options = ServeOptions {
+            lanes,
+            ..ServeOptions::default()
+        };
+        server::run_with(limiter, config, listeners, options, std::future::pending())
             .await
             .expect("rlsd serves");
     });
@@ -295,11 +311,13 @@ async fn start_redis_rlsd(
     port: u16,
     max_batch: usize,
     pipelines: usize,
+    lanes: usize,
 ) -> Served {
     let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{port}"));
     settings.command_timeout = Duration::from_secs(1);
     settings.max_batch = max_batch;
     settings.pipelines = pipelines;
+    settings.lanes = lanes;
     let store = Arc::new(
         RedisStore::connect(settings)
             .await
@@ -307,7 +325,7 @@ async fn start_redis_rlsd(
     );
     let config = bench_config(algorithm);
     let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
-    start_server(limiter, config).await
+    start_server(limiter, config, lanes).await
 }
 
 /// Serves `service` with the same tonic settings as `server::run`.
@@ -512,7 +530,7 @@ fn cpu_now() -> Cpu {
         ) else {
             continue;
         };
-        if comm.starts_with("bench-server") {
+        if comm.starts_with("bench-server") || comm.starts_with("rlsd-lane") {
             cpu.server += ticks(&stat);
         } else if comm.starts_with("bench-client") {
             cpu.client += ticks(&stat);
@@ -1369,18 +1387,20 @@ fn main() {
         ),
         (
             "rlsd",
-            server_handle.block_on(start_server(limiter, config)),
+            server_handle.block_on(start_server(limiter, config, opts.lanes)),
         ),
     ];
     if let Some(redis) = &redis {
         let (batch, pipelines) = (opts.max_batch, opts.pipelines);
         addrs.push((
             "redis",
-            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, batch, pipelines)),
+            server_handle.block_on(start_redis_rlsd(
+                algorithm, redis.port, batch, pipelines, opts.lanes,
+            )),
         ));
         addrs.push((
             "redis-1",
-            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1, 1)),
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1, 1, opts.lanes)),
         ));
     }
     if opts.extra {
@@ -1444,8 +1464,8 @@ fn main() {
             format!("one shared runtime of {} workers", opts.client_threads)
         } else {
             format!(
-                "server runtime {} workers, client runtime {} workers",
-                opts.server_threads, opts.client_threads
+                "server runtime {} workers, rlsd on {} lanes each, client runtime {} workers",
+                opts.server_threads, opts.lanes, opts.client_threads
             )
         }
     );

@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine;
 pub mod http;
 pub mod json;
+pub mod lane;
 pub mod limit;
 pub mod metrics;
 pub mod pb;

@@ -103,7 +103,7 @@ pub struct TlsSettings {
     /// Fingerprint of the files last loaded (or last rejected), so one change is tried once.
     seen: Mutex<u64>,
     reload_interval: Duration,
-    handshake_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
 }
 
 impl std::fmt::Debug for TlsSettings {
@@ -416,7 +416,8 @@ pub(crate) async fn accept(listener: &TcpListener) -> (TcpStream, SocketAddr) {
     }
 }
 
-async fn handshake(
+/// The TLS handshake on `socket`, bounded by `timeout`; failures are logged and give `None`.
+pub(crate) async fn handshake(
     socket: TcpStream,
     peer: SocketAddr,
     acceptor: TlsAcceptor,

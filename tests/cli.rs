@@ -240,10 +240,20 @@ fn json_logs_are_one_object_per_line_and_report_the_worker_threads() {
         assert!(Instant::now() < deadline, "rlsd did not come up");
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Each serving thread is a lane of its own (in process, as here).
+    let lanes = std::fs::read_dir(format!("/proc/{}/task", child.id()))
+        .expect("the process's threads")
+        .flatten()
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|name| name.starts_with("rlsd-lane-"))
+        })
+        .count();
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     assert!(child.wait().expect("wait").success());
+    assert_eq!(lanes, 3, "threads named rlsd-lane-*");
     let mut stderr = String::new();
     child
         .stderr
@@ -261,6 +271,7 @@ fn json_logs_are_one_object_per_line_and_report_the_worker_threads() {
         .iter()
         .find(|l| l["fields"]["message"] == "serving")
         .unwrap_or_else(|| panic!("no serving line: {stderr}"));
-    assert_eq!(serving["fields"]["workers"], 3, "{stderr}");
+    assert_eq!(serving["fields"]["threads"], 3, "{stderr}");
+    assert_eq!(serving["fields"]["lanes"], 3, "{stderr}");
     assert!(lines.iter().all(|l| l["level"].is_string()), "{stderr}");
 }

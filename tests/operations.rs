@@ -244,9 +244,14 @@ async fn calls_in_flight_at_shutdown_all_complete() {
     let redis = RedisServer::start();
     let mut redis_settings = RedisSettings::new(redis.url());
     redis_settings.command_timeout = Duration::from_secs(5);
+    redis_settings.lanes = common::LANES;
     let store = Arc::new(RedisStore::connect(redis_settings).await.expect("url"));
-    let (grpc, _http, stop, task, _) =
-        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    // On lanes, as the binary serves: the wait at shutdown covers calls on every lane.
+    let options = ServeOptions {
+        lanes: common::LANES,
+        ..ServeOptions::default()
+    };
+    let (grpc, _http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
     let client = RateLimitServiceClient::connect(format!("http://{grpc}"))
         .await
         .expect("connect");
@@ -291,6 +296,7 @@ async fn a_stream_that_never_ends_holds_shutdown_only_for_the_grace_period() {
     let grace = Duration::from_millis(500);
     let options = ServeOptions {
         shutdown_grace: grace,
+        lanes: common::LANES,
         ..ServeOptions::default()
     };
     let (grpc, _http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;

@@ -53,6 +53,7 @@ impl Rlsd {
         let mut redis = RedisSettings::new(url);
         redis.command_timeout = command_timeout;
         redis.connect_timeout = Duration::from_millis(200);
+        redis.lanes = common::LANES;
         let store = Arc::new(RedisStore::connect(redis).await.expect("valid url"));
         let settings = ServiceSettings {
             keys: KeySettings::default(),
@@ -323,6 +324,60 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
     assert!(
         sets <= calls,
         "{sets} SETs of one shared key in {calls} calls deciding 500 allowed requests"
+    );
+    rlsd.stop().await;
+}
+
+/// Connections served on different lanes reach Redis through each lane's own connection, and
+/// their requests still count against one limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
+    let redis = RedisServer::start();
+    let rlsd = Rlsd::start(
+        EXACT,
+        &redis.url(),
+        FailureMode::Error,
+        Duration::from_secs(2),
+    )
+    .await;
+    // Connections go to the lanes in turn: four of them reach both lanes.
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(rlsd.client().await);
+    }
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let mut client = clients[i % clients.len()].clone();
+            tokio::spawn(async move {
+                let mut ok = 0;
+                for _ in 0..20 {
+                    let req = request("exact", vec![descriptor(&[("algorithm", "gcra")])]);
+                    let response = client
+                        .should_rate_limit(req)
+                        .await
+                        .expect("answer")
+                        .into_inner();
+                    ok += usize::from(response.overall_code == Code::Ok as i32);
+                }
+                ok
+            })
+        })
+        .collect();
+    let mut allowed = 0;
+    for task in tasks {
+        allowed += task.await.expect("task");
+    }
+    assert_eq!(
+        allowed, 500,
+        "800 requests over four connections, limit 500"
+    );
+    let clients_list = redis.cli(&["CLIENT", "LIST"]).expect("client list");
+    // redis-cli's own connection is listed too.
+    let rlsd_connections = clients_list.lines().count() - 1;
+    assert_eq!(
+        rlsd_connections,
+        1 + common::LANES,
+        "one shared connection (script load, health) and one per lane:\n{clients_list}"
     );
     rlsd.stop().await;
 }

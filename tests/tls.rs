@@ -249,10 +249,17 @@ struct TlsServer {
 }
 
 impl TlsServer {
+    /// Serves on lanes, as the binary does: each lane does its connections' handshakes.
     async fn start(tls: TlsSettings) -> TlsServer {
+        TlsServer::start_on(tls, common::LANES).await
+    }
+
+    /// Serves with `lanes` (0: handshakes and connections on the test's runtime).
+    async fn start_on(tls: TlsSettings, lanes: usize) -> TlsServer {
         let store = Arc::new(MemoryStore::new(1000));
         let options = ServeOptions {
             tls: Some(Arc::new(tls)),
+            lanes,
             ..ServeOptions::default()
         };
         let (grpc, _http, stop, task, _) =
@@ -349,12 +356,18 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_client_gets_an_answer_over_h2() {
+    for lanes in [common::LANES, 0] {
+        a_tls_client_gets_an_answer_over_h2_on(lanes).await;
+    }
+}
+
+async fn a_tls_client_gets_an_answer_over_h2_on(lanes: usize) {
     let pki = Pki::new();
     let ca = pki.ca("ca");
     let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
     let tls = TlsSettings::load(serving_files(&pki, &server_cert, None)).expect("valid files");
     assert!(!tls.mutual());
-    let server = TlsServer::start(tls).await;
+    let server = TlsServer::start_on(tls, lanes).await;
 
     assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
     let (leaf, alpn) = handshake(server.grpc, &ca).await;

@@ -42,10 +42,27 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 type StreamTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Serves `io` as one HTTP/2 connection on its own task, until the peer leaves or `closing`
-/// turns true (or its sender goes): then the connection is shut down gracefully, letting the
-/// streams in flight finish. The task holds `closing` until the connection has ended.
-pub(crate) fn spawn<I, S, B>(io: I, service: S, mut closing: watch::Receiver<bool>)
+/// Serves `io` as one HTTP/2 connection on a task of its own on the current runtime (see
+/// [`serve`]).
+pub(crate) fn spawn<I, S, B>(io: I, service: S, closing: watch::Receiver<bool>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<::http::Request<Incoming>, Response = ::http::Response<B>>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    tokio::spawn(serve(io, service, closing));
+}
+
+/// Serves `io` as one HTTP/2 connection until the peer leaves or `closing` turns true (or its
+/// sender goes): then the connection is shut down gracefully, letting the streams in flight
+/// finish. Holds `closing` until the connection has ended.
+pub(crate) async fn serve<I, S, B>(io: I, service: S, mut closing: watch::Receiver<bool>)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::Service<::http::Request<Incoming>, Response = ::http::Response<B>>
@@ -58,32 +75,32 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let queue = StreamQueue::default();
-    let mut builder = hyper::server::conn::http2::Builder::new(queue.clone());
-    builder
-        .timer(TokioTimer::new())
-        .keep_alive_interval(KEEPALIVE_INTERVAL)
-        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-        // gRPC clients have no use for a `date` header; it would be encoded into every answer.
-        .auto_date_header(false);
-    let connection = builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service);
-    tokio::spawn(async move {
-        let mut served = Served::new(queue, connection);
-        let closed_early = tokio::select! {
-            result = &mut served => Some(result),
-            _ = closing.wait_for(|closing| *closing) => None,
-        };
-        let result = match closed_early {
-            Some(result) => result,
-            None => {
-                served.connection().graceful_shutdown();
-                served.await
-            }
-        };
-        if let Err(error) = result {
-            tracing::debug!(%error, "connection ended with an error");
+    let connection = {
+        let mut builder = hyper::server::conn::http2::Builder::new(queue.clone());
+        builder
+            .timer(TokioTimer::new())
+            .keep_alive_interval(KEEPALIVE_INTERVAL)
+            .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+            // gRPC clients have no use for a `date` header; it would be encoded into every answer.
+            .auto_date_header(false);
+        builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service)
+    };
+    let mut served = Served::new(queue, connection);
+    let closed_early = tokio::select! {
+        result = &mut served => Some(result),
+        _ = closing.wait_for(|closing| *closing) => None,
+    };
+    let result = match closed_early {
+        Some(result) => result,
+        None => {
+            served.connection().graceful_shutdown();
+            served.await
         }
-        drop(closing);
-    });
+    };
+    if let Err(error) = result {
+        tracing::debug!(%error, "connection ended with an error");
+    }
+    drop(closing);
 }
 
 /// Reports the socket as without vectored writes, so that h2 copies DATA payloads of up to

@@ -1,6 +1,7 @@
 //! Listeners, health, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
 mod connection;
+mod lanes;
 
 pub use connection::MAX_CONCURRENT_STREAMS;
 
@@ -44,6 +45,9 @@ pub enum ServerError {
     /// The reflection service could not be built from the embedded descriptors.
     #[error("grpc reflection: {0}")]
     Reflection(String),
+    /// A serving lane's thread or runtime could not be started.
+    #[error("starting serving lanes: {0}")]
+    Lanes(#[source] std::io::Error),
 }
 
 /// The sockets rlsd serves on, bound before the config is trusted to serve.
@@ -112,6 +116,9 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// TLS (and mutual TLS) on the gRPC port, reloaded from its files; `None`: plain TCP.
     pub tls: Option<Arc<TlsSettings>>,
+    /// Threads that serve gRPC connections, each on a runtime of its own, connections handed to
+    /// them in turn (see [`crate::lane`]); 0 serves them as tasks of the caller's runtime.
+    pub lanes: usize,
 }
 
 /// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
@@ -124,6 +131,7 @@ impl Default for ServeOptions {
             drain: Duration::ZERO,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             tls: None,
+            lanes: 0,
         }
     }
 }
@@ -224,10 +232,15 @@ pub async fn run_with<S: Store>(
             .add_service(reflection)
             .prepare(),
     };
+    let lanes = match options.lanes {
+        0 => None,
+        count => Some(lanes::Lanes::start(count).map_err(ServerError::Lanes)?),
+    };
     let grpc = serve_grpc(
         routes,
         listeners.grpc,
         options.tls.clone(),
+        lanes,
         stopped(stop_rx.clone()),
         options.shutdown_grace,
     );
@@ -288,20 +301,33 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
     }
 }
 
-/// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), until
-/// `signal`; then closes the listener, shuts each connection down gracefully, and returns when
-/// the last one has ended or `grace` has passed, whichever is first.
+/// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), on
+/// `lanes` or else on this runtime, until `signal`; then closes the listener, shuts each
+/// connection down gracefully, and returns when the last one has ended or `grace` has passed,
+/// whichever is first. The lanes stop when this returns.
 async fn serve_grpc<S: Store>(
     routes: GrpcRoutes<S>,
     listener: TcpListener,
     tls: Option<Arc<TlsSettings>>,
+    lanes: Option<lanes::Lanes>,
     signal: impl Future<Output = ()>,
     grace: Duration,
 ) {
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let mut signal = pin!(signal);
-    match tls {
-        None => {
+    match (tls, &lanes) {
+        (tls, Some(lanes)) => {
+            loop {
+                tokio::select! {
+                    () = &mut signal => break,
+                    (socket, peer) = crate::tls::accept(&listener) => {
+                        hand_to_lane(lanes, socket, peer, tls.clone(), routes.clone(), closing_rx.clone());
+                    }
+                }
+            }
+            drop(listener);
+        }
+        (None, None) => {
             loop {
                 tokio::select! {
                     () = &mut signal => break,
@@ -312,7 +338,7 @@ async fn serve_grpc<S: Store>(
             }
             drop(listener);
         }
-        Some(tls) => {
+        (Some(tls), None) => {
             // Dropping the stream ends its accept loop, which closes the listener.
             let mut incoming = crate::tls::incoming(listener, tls);
             loop {
@@ -337,6 +363,46 @@ async fn serve_grpc<S: Store>(
             "connections still open after the shutdown grace period; closing them"
         );
     }
+}
+
+/// Moves an accepted socket to the next lane, which registers it with its own runtime, does the
+/// TLS handshake if there is one, and serves the connection.
+fn hand_to_lane<S: Store>(
+    lanes: &lanes::Lanes,
+    socket: tokio::net::TcpStream,
+    peer: SocketAddr,
+    tls: Option<Arc<TlsSettings>>,
+    routes: GrpcRoutes<S>,
+    closing: tokio::sync::watch::Receiver<bool>,
+) {
+    // Registered with this runtime's reactor, the socket would wake this runtime's threads for
+    // every read; as a std socket it is registered afresh on the lane.
+    let socket = match socket.into_std() {
+        Ok(socket) => socket,
+        Err(error) => {
+            tracing::debug!(%peer, %error, "cannot hand a connection to a lane");
+            return;
+        }
+    };
+    lanes.spawn(async move {
+        let socket = match tokio::net::TcpStream::from_std(socket) {
+            Ok(socket) => socket,
+            Err(error) => {
+                tracing::debug!(%peer, %error, "cannot register a connection on its lane");
+                return;
+            }
+        };
+        match tls {
+            None => connection::serve(socket, routes, closing).await,
+            Some(tls) => {
+                let handshake =
+                    crate::tls::handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
+                if let Some(tls_connection) = handshake.await {
+                    connection::serve(tls_connection, routes, closing).await;
+                }
+            }
+        }
+    });
 }
 
 async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {

@@ -1,12 +1,13 @@
 //! The Redis store: every request is one EVALSHA of `lua/ratelimit.lua` over all its keys.
 //!
-//! One multiplexed connection (redis-rs `ConnectionManager`) carries every request: it
-//! pipelines concurrent EVALSHAs on one socket and reconnects by itself after an outage.
+//! A multiplexed connection (redis-rs `ConnectionManager`) per serving lane, and one shared by
+//! every other thread, carries the requests: it pipelines concurrent EVALSHAs on one socket and
+//! reconnects by itself after an outage.
 //! Requests that arrive while calls are in flight are coalesced into one EVALSHA (each request
 //! still decided atomically, all or nothing), so a busy server makes fewer, larger calls and an
 //! idle one sends a lone request at once.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
@@ -45,6 +46,10 @@ pub struct RedisSettings {
     pub ca_file: Option<std::path::PathBuf>,
     /// Find the master through Redis Sentinel instead of `url`, following failovers.
     pub sentinel: Option<SentinelTarget>,
+    /// Serving lanes (`server::ServeOptions::lanes`) that each get a connection and batchers of
+    /// their own, opened by the lane's thread on its first request; other threads share one.
+    /// Not with Sentinel, whose one link follows failovers.
+    pub lanes: usize,
 }
 
 /// Where Redis Sentinel is, and which master it watches.
@@ -68,6 +73,7 @@ impl RedisSettings {
             pipelines: DEFAULT_PIPELINES,
             ca_file: None,
             sentinel: None,
+            lanes: 0,
         }
     }
 }
@@ -121,10 +127,20 @@ pub const DEFAULT_PIPELINES: usize = 2;
 
 /// State in Redis, shared by every rlsd replica that points at it.
 pub struct RedisStore {
+    /// What threads outside the serving lanes use (every thread, when there are none).
+    shared: Lane,
+    /// One per serving lane, for that lane's thread alone: its requests, their EVALSHA and the
+    /// reply then stay on one thread, where a shared connection's driver and batcher would wake
+    /// other threads for every request.
+    lanes: Box<[OnceLock<Lane>]>,
+    settings: RedisSettings,
+}
+
+/// A connection to Redis and the batchers that coalesce onto it.
+struct Lane {
     caller: Arc<RedisCaller>,
     /// Where requests queue to be coalesced; `None` when every request is its own call.
     queue: Option<Coalescer>,
-    command_timeout: Duration,
 }
 
 /// The connection and the script: what actually talks to Redis.
@@ -135,37 +151,27 @@ struct RedisCaller {
     fixed_clock: Option<Arc<dyn Clock>>,
 }
 
-impl RedisStore {
-    /// Connects lazily (rlsd starts even while Redis is down, answering by its failure mode)
-    /// and loads the script if Redis is there.
-    ///
-    /// # Errors
-    /// When the URL is invalid.
-    pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
-        let link = match &settings.sentinel {
-            Some(target) => Link::Sentinel(Arc::new(SentinelLink::new(target, &settings)?)),
-            None => {
-                let client = client(&settings)?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(settings.connect_timeout))
-                    .set_response_timeout(Some(settings.command_timeout))
-                    // Reconnect quickly after an outage; every failed call also reconnects.
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(Duration::from_millis(500))
-                    .set_number_of_retries(3);
-                let connection = ConnectionManager::new_lazy_with_config(client, config)
-                    .map_err(|error| StoreError::Config(format!("redis: {error}")))?;
-                Link::Direct(connection)
-            }
-        };
-        if let Link::Sentinel(sentinel) = &link {
-            sentinel.reconnect().await;
-        }
+/// A multiplexed connection to `settings.url`, opened on first use and reopened after failures.
+fn direct_connection(settings: &RedisSettings) -> Result<ConnectionManager, StoreError> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(settings.connect_timeout))
+        .set_response_timeout(Some(settings.command_timeout))
+        // Reconnect quickly after an outage; every failed call also reconnects.
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(Duration::from_millis(500))
+        .set_number_of_retries(3);
+    ConnectionManager::new_lazy_with_config(client(settings)?, config)
+        .map_err(|error| StoreError::Config(format!("redis: {error}")))
+}
+
+impl Lane {
+    /// A lane on `link`; its batchers run on the runtime this is called on.
+    fn open(link: Link, settings: &RedisSettings) -> Lane {
         let caller = Arc::new(RedisCaller {
             link,
             script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
-            fixed_clock: settings.fixed_clock,
+            fixed_clock: settings.fixed_clock.clone(),
         });
         let queue = (settings.max_batch > 1).then(|| {
             let pipelines = settings.pipelines.max(1);
@@ -184,39 +190,12 @@ impl RedisStore {
             }
             Coalescer { sender, calls }
         });
-        let store = RedisStore {
-            caller,
-            queue,
-            command_timeout: settings.command_timeout,
-        };
-        match tokio::time::timeout(settings.connect_timeout, store.load_script()).await {
-            Ok(Ok(sha)) => tracing::info!(%sha, "redis connected, script loaded"),
-            Ok(Err(error)) => {
-                tracing::warn!(%error, "redis not reachable yet; will retry per request")
-            }
-            Err(_) => {
-                tracing::warn!("redis not reachable yet (connect timeout); will retry per request")
-            }
-        }
-        Ok(store)
-    }
-
-    /// Loads the script (SCRIPT LOAD); later calls reload it by themselves on NOSCRIPT.
-    ///
-    /// # Errors
-    /// When Redis cannot be reached.
-    pub async fn load_script(&self) -> Result<String, StoreError> {
-        self.caller.load_script().await
-    }
-
-    /// Whether Redis answers a PING within the command timeout.
-    pub async fn ping(&self) -> bool {
-        self.caller.ping().await
+        Lane { caller, queue }
     }
 
     /// Decides one request: sent on its own when nothing waits and a call slot is free (so
     /// coalescing adds no hand-off at low load), else queued for the next batch.
-    async fn decide_one(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let Some(coalescer) = &self.queue else {
             return self.caller.evaluate_one(checks).await;
         };
@@ -233,8 +212,9 @@ impl RedisStore {
             checks: checks.to_vec(),
             reply,
         };
+        let timeout = self.caller.command_timeout;
         // The whole wait, queueing included, is bounded by the command timeout.
-        tokio::time::timeout(self.command_timeout, async {
+        tokio::time::timeout(timeout, async {
             queue
                 .send(job)
                 .await
@@ -244,7 +224,78 @@ impl RedisStore {
             })?
         })
         .await
-        .map_err(|_| StoreError::Timeout(self.command_timeout))?
+        .map_err(|_| StoreError::Timeout(timeout))?
+    }
+}
+
+impl RedisStore {
+    /// Connects lazily (rlsd starts even while Redis is down, answering by its failure mode)
+    /// and loads the script if Redis is there.
+    ///
+    /// # Errors
+    /// When the URL is invalid.
+    pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
+        let link = match &settings.sentinel {
+            Some(target) => Link::Sentinel(Arc::new(SentinelLink::new(target, &settings)?)),
+            None => Link::Direct(direct_connection(&settings)?),
+        };
+        if let Link::Sentinel(sentinel) = &link {
+            sentinel.reconnect().await;
+        }
+        let lanes = if settings.sentinel.is_some() {
+            0
+        } else {
+            settings.lanes
+        };
+        let store = RedisStore {
+            shared: Lane::open(link, &settings),
+            lanes: (0..lanes).map(|_| OnceLock::new()).collect(),
+            settings,
+        };
+        match tokio::time::timeout(store.settings.connect_timeout, store.load_script()).await {
+            Ok(Ok(sha)) => tracing::info!(%sha, "redis connected, script loaded"),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "redis not reachable yet; will retry per request")
+            }
+            Err(_) => {
+                tracing::warn!("redis not reachable yet (connect timeout); will retry per request")
+            }
+        }
+        Ok(store)
+    }
+
+    /// Loads the script (SCRIPT LOAD); later calls reload it by themselves on NOSCRIPT.
+    ///
+    /// # Errors
+    /// When Redis cannot be reached.
+    pub async fn load_script(&self) -> Result<String, StoreError> {
+        self.shared.caller.load_script().await
+    }
+
+    /// Whether Redis answers a PING within the command timeout.
+    pub async fn ping(&self) -> bool {
+        self.shared.caller.ping().await
+    }
+
+    /// The calling thread's lane: its own on a serving lane (opened here on its first request,
+    /// so its connection and batchers live on that lane's runtime), else the shared one.
+    fn lane(&self) -> &Lane {
+        let Some(slot) = crate::lane::current().and_then(|index| self.lanes.get(index)) else {
+            return &self.shared;
+        };
+        if let Some(lane) = slot.get() {
+            return lane;
+        }
+        match direct_connection(&self.settings) {
+            Ok(connection) => {
+                slot.get_or_init(|| Lane::open(Link::Direct(connection), &self.settings))
+            }
+            Err(error) => {
+                // The shared lane was built from the same settings, so this is not expected.
+                tracing::warn!(%error, "redis: cannot open a lane's connection; sharing one");
+                &self.shared
+            }
+        }
     }
 }
 
@@ -611,7 +662,7 @@ impl Store for RedisStore {
     }
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        self.decide_one(checks).await
+        self.lane().decide(checks).await
     }
 }
 

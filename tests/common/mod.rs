@@ -21,6 +21,9 @@ use rlsd::store::{MemoryStore, Store};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
+/// Serving lanes of the servers tests start, as the binary runs one per core.
+pub const LANES: usize = 2;
+
 /// Start of a minute, so fixed windows in tests start fresh: 2026-12-02 15:00:00 UTC.
 pub const T0: u64 = 1_796_223_600_000_000;
 
@@ -43,7 +46,8 @@ pub fn live_config(yaml: &str) -> Arc<ArcSwap<config::Config>> {
     Arc::new(ArcSwap::from_pointee(loaded))
 }
 
-/// Serves `yaml` from `store` on loopback ports; returns the addresses and a stop handle.
+/// Serves `yaml` from `store` on loopback ports, on [`LANES`] lanes; returns the addresses and a
+/// stop handle.
 pub async fn spawn_server<S: Store>(
     yaml: &str,
     store: Arc<S>,
@@ -54,8 +58,11 @@ pub async fn spawn_server<S: Store>(
     oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
-    let (grpc, http, stop, task, _) =
-        spawn_server_with(yaml, store, settings, ServeOptions::default()).await;
+    let options = ServeOptions {
+        lanes: LANES,
+        ..ServeOptions::default()
+    };
+    let (grpc, http, stop, task, _) = spawn_server_with(yaml, store, settings, options).await;
     (grpc, http, stop, task)
 }
 
