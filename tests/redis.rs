@@ -78,6 +78,39 @@ impl Rlsd {
     }
 }
 
+/// Sends `per_task` copies of `descriptors` from each of `tasks` concurrent tasks, task `i` on
+/// `clients[i % clients.len()]`; how many were allowed.
+async fn allowed_of(
+    clients: &[RateLimitServiceClient<Channel>],
+    tasks: usize,
+    per_task: usize,
+    descriptors: Vec<rlsd::pb::RateLimitDescriptor>,
+) -> usize {
+    let tasks: Vec<_> = (0..tasks)
+        .map(|i| {
+            let mut client = clients[i % clients.len()].clone();
+            let descriptors = descriptors.clone();
+            tokio::spawn(async move {
+                let mut ok = 0;
+                for _ in 0..per_task {
+                    let response = client
+                        .should_rate_limit(request("exact", descriptors.clone()))
+                        .await
+                        .expect("answer")
+                        .into_inner();
+                    ok += usize::from(response.overall_code == Code::Ok as i32);
+                }
+                ok
+            })
+        })
+        .collect();
+    let mut allowed = 0;
+    for task in tasks {
+        allowed += task.await.expect("task");
+    }
+    allowed
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
     let redis = RedisServer::start();
@@ -98,31 +131,8 @@ async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
         clients.push(replica.client().await);
     }
     for algorithm in Algorithm::ALL {
-        let tasks: Vec<_> = (0..100)
-            .map(|i| {
-                let mut client = clients[i % 3].clone();
-                tokio::spawn(async move {
-                    let mut ok = 0;
-                    for _ in 0..10 {
-                        let req = request(
-                            "exact",
-                            vec![descriptor(&[("algorithm", algorithm.name())])],
-                        );
-                        let response = client
-                            .should_rate_limit(req)
-                            .await
-                            .expect("answer")
-                            .into_inner();
-                        ok += usize::from(response.overall_code == Code::Ok as i32);
-                    }
-                    ok
-                })
-            })
-            .collect();
-        let mut allowed = 0;
-        for task in tasks {
-            allowed += task.await.expect("task");
-        }
+        let descriptors = vec![descriptor(&[("algorithm", algorithm.name())])];
+        let allowed = allowed_of(&clients, 100, 10, descriptors).await;
         assert_eq!(
             allowed, 500,
             "{algorithm}: 1000 requests from 100 clients over 3 replicas"
@@ -284,34 +294,11 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
     let client = rlsd.client().await;
     let before = command_calls(&redis, "evalsha");
     let sets_before = command_calls(&redis, "set");
-    let tasks: Vec<_> = (0..64)
-        .map(|_| {
-            let mut client = client.clone();
-            tokio::spawn(async move {
-                let mut ok = 0;
-                for _ in 0..20 {
-                    let req = request(
-                        "exact",
-                        vec![
-                            descriptor(&[("algorithm", "sliding_window_log")]),
-                            descriptor(&[("algorithm", "token_bucket")]),
-                        ],
-                    );
-                    let response = client
-                        .should_rate_limit(req)
-                        .await
-                        .expect("answer")
-                        .into_inner();
-                    ok += usize::from(response.overall_code == Code::Ok as i32);
-                }
-                ok
-            })
-        })
-        .collect();
-    let mut allowed = 0;
-    for task in tasks {
-        allowed += task.await.expect("task");
-    }
+    let descriptors = vec![
+        descriptor(&[("algorithm", "sliding_window_log")]),
+        descriptor(&[("algorithm", "token_bucket")]),
+    ];
+    let allowed = allowed_of(&[client], 64, 20, descriptors).await;
     assert_eq!(allowed, 500, "1280 two-limit requests, both limits 500");
     let calls = command_calls(&redis, "evalsha") - before;
     assert!(
@@ -345,28 +332,8 @@ async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
     for _ in 0..4 {
         clients.push(rlsd.client().await);
     }
-    let tasks: Vec<_> = (0..40)
-        .map(|i| {
-            let mut client = clients[i % clients.len()].clone();
-            tokio::spawn(async move {
-                let mut ok = 0;
-                for _ in 0..20 {
-                    let req = request("exact", vec![descriptor(&[("algorithm", "gcra")])]);
-                    let response = client
-                        .should_rate_limit(req)
-                        .await
-                        .expect("answer")
-                        .into_inner();
-                    ok += usize::from(response.overall_code == Code::Ok as i32);
-                }
-                ok
-            })
-        })
-        .collect();
-    let mut allowed = 0;
-    for task in tasks {
-        allowed += task.await.expect("task");
-    }
+    let descriptors = vec![descriptor(&[("algorithm", "gcra")])];
+    let allowed = allowed_of(&clients, 40, 20, descriptors).await;
     assert_eq!(
         allowed, 500,
         "800 requests over four connections, limit 500"

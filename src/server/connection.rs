@@ -42,23 +42,6 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 type StreamTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Serves `io` as one HTTP/2 connection on a task of its own on the current runtime (see
-/// [`serve`]).
-pub(crate) fn spawn<I, S, B>(io: I, service: S, closing: watch::Receiver<bool>)
-where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<::http::Request<Incoming>, Response = ::http::Response<B>>
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    tokio::spawn(serve(io, service, closing));
-}
-
 /// Serves `io` as one HTTP/2 connection until the peer leaves or `closing` turns true (or its
 /// sender goes): then the connection is shut down gracefully, letting the streams in flight
 /// finish. Holds `closing` until the connection has ended.

@@ -332,7 +332,7 @@ async fn serve_grpc<S: Store>(
                 tokio::select! {
                     () = &mut signal => break,
                     (socket, _) = crate::tls::accept(&listener) => {
-                        connection::spawn(socket, routes.clone(), closing_rx.clone());
+                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
                     }
                 }
             }
@@ -346,7 +346,7 @@ async fn serve_grpc<S: Store>(
                     () = &mut signal => break,
                     next = incoming.next() => match next {
                         Some(tls_connection) => {
-                            connection::spawn(tls_connection, routes.clone(), closing_rx.clone());
+                            tokio::spawn(connection::serve(tls_connection, routes.clone(), closing_rx.clone()));
                         }
                         None => break,
                     },
