@@ -126,7 +126,7 @@ struct ServeArgs {
     /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
     #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = rlsd::store::redis::DEFAULT_MAX_BATCH)]
     redis_max_batch: usize,
-    /// Coalesced Redis calls in flight at once.
+    /// Coalesced Redis calls in flight at once, per serving lane.
     #[arg(long, env = "RLSD_REDIS_PIPELINES", default_value_t = rlsd::store::redis::DEFAULT_PIPELINES)]
     redis_pipelines: usize,
     /// The answer when the store fails: `error` (gRPC UNAVAILABLE; Envoy's

@@ -40,7 +40,7 @@ pub struct RedisSettings {
     pub fixed_clock: Option<Arc<dyn Clock>>,
     /// Most requests coalesced into one EVALSHA; 1 sends every request on its own.
     pub max_batch: usize,
-    /// EVALSHA calls in flight at once when coalescing (batches pipelined on the connection).
+    /// EVALSHA calls in flight at once per lane when coalescing, pipelined on its connection.
     pub pipelines: usize,
     /// A PEM file of CA certificates to trust for `rediss://` instead of the built-in roots.
     pub ca_file: Option<std::path::PathBuf>,
