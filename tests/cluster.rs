@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::cluster::RedisCluster;
-use common::{descriptor, request, spawn_server};
+use common::{descriptor, request, spawn_server_with};
 use rlsd::engine::KeySettings;
 use rlsd::pb::RateLimitServiceClient;
 use rlsd::pb::rate_limit_response::Code;
+use rlsd::server::ServeOptions;
 use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
 use rlsd::store::{ClusterSettings, ClusterStore};
 use tonic::transport::Channel;
@@ -41,7 +42,9 @@ async fn rlsd(
         shadow_mode: false,
         limits: Default::default(),
     };
-    let (grpc, _http, stop, _task) = spawn_server(CONFIG, store, service).await;
+    // On the multi-thread runtime, as the binary serves Cluster (no lanes: one shared connection).
+    let (grpc, _http, stop, _task, _) =
+        spawn_server_with(CONFIG, store, service, ServeOptions::default()).await;
     // The server lives as long as the test; the sender is leaked so it never stops early.
     std::mem::forget(stop);
     RateLimitServiceClient::connect(format!("http://{grpc}"))

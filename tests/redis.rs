@@ -327,6 +327,27 @@ async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
         Duration::from_secs(2),
     )
     .await;
+    // Each lane connects before it serves, so its first requests need not fit a connect into
+    // their command timeout.
+    let rlsd_connections = || {
+        let list = redis.cli(&["CLIENT", "LIST"]).expect("client list");
+        // redis-cli's own connection is listed too.
+        (list.lines().count() - 1, list)
+    };
+    // The server starts on its own task: wait for it, still sending nothing.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (before_traffic, list) = rlsd_connections();
+        if before_traffic == 1 + common::LANES {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "one shared connection (script load, health) and one per lane, before any \
+             request; found:\n{list}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Connections go to the lanes in turn: four of them reach both lanes.
     let mut clients = Vec::new();
     for _ in 0..4 {
@@ -338,13 +359,11 @@ async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
         allowed, 500,
         "800 requests over four connections, limit 500"
     );
-    let clients_list = redis.cli(&["CLIENT", "LIST"]).expect("client list");
-    // redis-cli's own connection is listed too.
-    let rlsd_connections = clients_list.lines().count() - 1;
+    let (after_traffic, list) = rlsd_connections();
     assert_eq!(
-        rlsd_connections,
+        after_traffic,
         1 + common::LANES,
-        "one shared connection (script load, health) and one per lane:\n{clients_list}"
+        "no more after traffic:\n{list}"
     );
     rlsd.stop().await;
 }

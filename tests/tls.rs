@@ -547,6 +547,33 @@ async fn a_stalled_handshake_neither_blocks_others_nor_lingers() {
     server.stop().await;
 }
 
+/// A client that connects and never sends its ClientHello (a TCP probe, a stuck client) does not
+/// hold up shutdown, on lanes or off them, however long the handshake timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_does_not_hold_up_shutdown() {
+    for lanes in [common::LANES, 0] {
+        let pki = Pki::new();
+        let ca = pki.ca("ca");
+        let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
+        let tls = TlsSettings::load(serving_files(&pki, &server_cert, None))
+            .expect("valid files")
+            .with_handshake_timeout(Duration::from_secs(60));
+        let server = TlsServer::start_on(tls, lanes).await;
+        let silent = TcpStream::connect(server.grpc).await.expect("connect");
+        // The server has taken the connection and is waiting in its handshake.
+        assert_eq!(ask(server.grpc, &ca, None).await, Ok(Code::Ok));
+        let started = Instant::now();
+        server.stop().await;
+        // The shutdown grace (10 s) would end the wait too; the handshake must not last that long.
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{lanes} lanes: stopping took {:?}",
+            started.elapsed()
+        );
+        drop(silent);
+    }
+}
+
 #[test]
 fn invalid_files_are_errors_naming_the_file() {
     let pki = Pki::new();

@@ -6,7 +6,8 @@
 //! connection's streams for the connection's own task, which polls them beside the connection,
 //! and a wake that arrives while that task is polling sends it round once more instead of
 //! through the runtime: a request the store answers at once is answered in the poll that read
-//! it. Connections still spread over the workers. The socket is also shown to h2 as unable to
+//! it. Off the serving lanes, connections still spread over the workers; on them, each stays on
+//! the lane it was handed to. The socket is also shown to h2 as unable to
 //! write vectored, so that an answer leaves in one write (see [`UnvectoredWrites`]).
 
 use std::future::Future;

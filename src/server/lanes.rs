@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
-/// The running lanes; dropping them stops their threads (tasks still on them are dropped).
+/// The running lanes. Dropping them tells their threads to stop; the threads then drop the
+/// tasks still on them (connections past the shutdown grace) by themselves, unjoined.
 pub(crate) struct Lanes {
     lanes: Vec<Lane>,
     next: AtomicUsize,
@@ -26,34 +27,61 @@ struct Lane {
 }
 
 impl Lanes {
-    /// Starts `count` lanes, threads named `rlsd-lane-<i>`.
+    /// Starts `count` lanes, threads named `rlsd-lane-<i>`, and returns once each has run
+    /// `open` (the store's per-lane set-up) and is ready to serve.
     ///
     /// # Errors
-    /// When a runtime or a thread cannot be created.
-    pub(crate) fn start(count: usize) -> std::io::Result<Lanes> {
+    /// When a thread or its runtime cannot be created.
+    pub(crate) async fn start<F, O>(count: usize, open: F) -> std::io::Result<Lanes>
+    where
+        F: Fn() -> O + Clone + Send + 'static,
+        O: Future<Output = ()>,
+    {
         let mut lanes = Vec::with_capacity(count);
+        let mut opening = Vec::with_capacity(count);
         for index in 0..count {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let handle = runtime.handle().clone();
             let (stop, stopped) = oneshot::channel::<()>();
+            let (ready, started) = oneshot::channel::<std::io::Result<Handle>>();
+            let open = open.clone();
             std::thread::Builder::new()
                 .name(format!("rlsd-lane-{index}"))
                 .spawn(move || {
                     crate::lane::enter(index);
-                    // A dropped sender stops the lane as well as a sent stop.
+                    // Built here, so that no runtime is ever dropped inside another's context.
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime,
+                        Err(error) => {
+                            let _ = ready.send(Err(error));
+                            return;
+                        }
+                    };
                     runtime.block_on(async {
+                        open().await;
+                        if ready.send(Ok(Handle::current())).is_err() {
+                            return;
+                        }
+                        // A dropped sender stops the lane as well as a sent stop.
                         let _ = stopped.await;
                     });
                 })?;
-            lanes.push(Lane {
+            lanes.push(stop);
+            opening.push(started);
+        }
+        let mut started = Vec::with_capacity(count);
+        for (stop, opened) in lanes.into_iter().zip(opening) {
+            let handle = opened
+                .await
+                .map_err(|_| std::io::Error::other("a serving lane stopped while starting"))??;
+            started.push(Lane {
                 handle,
                 stop: Some(stop),
             });
         }
         Ok(Lanes {
-            lanes,
+            lanes: started,
             next: AtomicUsize::new(0),
         })
     }

@@ -234,7 +234,18 @@ pub async fn run_with<S: Store>(
     };
     let lanes = match options.lanes {
         0 => None,
-        count => Some(lanes::Lanes::start(count).map_err(ServerError::Lanes)?),
+        count => {
+            let store = limiter.store();
+            let open = move || {
+                let store = Arc::clone(&store);
+                async move { store.open_lane().await }
+            };
+            Some(
+                lanes::Lanes::start(count, open)
+                    .await
+                    .map_err(ServerError::Lanes)?,
+            )
+        }
     };
     let grpc = serve_grpc(
         routes,
@@ -395,9 +406,15 @@ fn hand_to_lane<S: Store>(
         match tls {
             None => connection::serve(socket, routes, closing).await,
             Some(tls) => {
+                let mut closing = closing;
                 let handshake =
                     crate::tls::handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
-                if let Some(tls_connection) = handshake.await {
+                // A client that never finishes its handshake must not hold up shutdown.
+                let handshaken = tokio::select! {
+                    handshaken = handshake => handshaken,
+                    _ = closing.wait_for(|closing| *closing) => None,
+                };
+                if let Some(tls_connection) = handshaken {
                     connection::serve(tls_connection, routes, closing).await;
                 }
             }

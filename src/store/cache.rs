@@ -157,6 +157,10 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
         self.inner.healthy().await
     }
 
+    async fn open_lane(&self) {
+        self.inner.open_lane().await;
+    }
+
     fn report(&self, metrics: &Metrics) {
         self.inner.report(metrics);
         let hits = self.hits();

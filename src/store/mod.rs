@@ -82,6 +82,13 @@ pub trait Store: Send + Sync + 'static {
     /// Publishes the store's own gauges (the in-process store's key counts).
     fn report(&self, _metrics: &crate::metrics::Metrics) {}
 
+    /// Runs once on each serving lane's thread before the lane serves (see [`crate::lane`]): a
+    /// store with state per lane opens it here, within its own connect timeout, so the lane's
+    /// first requests do not pay for it inside their command timeout.
+    fn open_lane(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
     /// Decides `checks` together: each check is evaluated in order (a key that appears twice
     /// sees the first one's hits), and state changes only if every non-shadow check allows.
     /// Returns one outcome per check, in order.

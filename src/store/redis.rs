@@ -47,8 +47,9 @@ pub struct RedisSettings {
     /// Find the master through Redis Sentinel instead of `url`, following failovers.
     pub sentinel: Option<SentinelTarget>,
     /// Serving lanes (`server::ServeOptions::lanes`) that each get a connection and batchers of
-    /// their own, opened by the lane's thread on its first request; other threads share one.
-    /// Not with Sentinel, whose one link follows failovers.
+    /// their own, opened on the lane's thread before it serves; other threads share one. Not
+    /// with Sentinel, whose one link follows failovers. A store with lanes serves one server:
+    /// a lane's connection lives on that lane's runtime and stops with it.
     pub lanes: usize,
 }
 
@@ -659,6 +660,24 @@ impl Store for RedisStore {
 
     async fn healthy(&self) -> bool {
         self.ping().await
+    }
+
+    async fn open_lane(&self) {
+        let lane = self.lane();
+        if std::ptr::eq(lane, &self.shared) {
+            return;
+        }
+        // Connects, and makes sure the script is there, before the lane takes requests.
+        let opened = tokio::time::timeout(self.settings.connect_timeout, lane.caller.load_script());
+        match opened.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "redis not reachable from a lane yet; will retry per request")
+            }
+            Err(_) => tracing::warn!(
+                "redis not reachable from a lane yet (connect timeout); will retry per request"
+            ),
+        }
     }
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
