@@ -1,7 +1,9 @@
-//! A private redis-server for benchmarks, on a free loopback port; killed when dropped.
+//! A private redis-server for benchmarks, on a free loopback port; killed when dropped, and by
+//! the kernel when the bench dies (a signal, a panic that aborts), so none outlives its bench.
 #![allow(dead_code)]
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -36,7 +38,7 @@ impl Redis {
             }
             None => Command::new("redis-server"),
         };
-        let child = command
+        command
             .args([
                 "--port",
                 &port.to_string(),
@@ -47,9 +49,20 @@ impl Redis {
                 "--appendonly",
                 "no",
             ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server");
+            .stdout(Stdio::null());
+        // SAFETY: prctl only sets a flag of the child being started; it allocates nothing and
+        // takes no lock. The kernel sends the signal when the thread that started the child
+        // ends: every bench starts its Redis on its main thread.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        let child = command.spawn().expect("redis-server");
         let redis = Redis { port, child };
         // Under valgrind, start-up takes seconds.
         let deadline = Instant::now() + Duration::from_secs(60);
