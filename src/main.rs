@@ -114,7 +114,8 @@ struct ServeArgs {
     /// The master name Sentinel monitors (`--redis-mode sentinel`).
     #[arg(long, env = "RLSD_REDIS_MASTER_NAME", default_value = "mymaster")]
     redis_master_name: String,
-    /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots).
+    /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots);
+    /// `--redis-mode single` only.
     #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
     redis_ca: Option<PathBuf>,
     /// Longest wait for a Redis connection, in milliseconds.
@@ -265,6 +266,14 @@ fn check(path: &std::path::Path) -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Only the single-server connection is built with a private CA: taken silently, the flag
+    // would leave Cluster or Sentinel connections trusting the public roots instead.
+    if args.redis_ca.is_some() && args.redis_mode != RedisMode::Single {
+        anyhow::bail!(
+            "--redis-ca applies to --redis-mode single only; with cluster or sentinel, rlsd \
+             cannot yet trust a private CA"
+        );
+    }
     // Refuse a bad config before opening any port.
     let loaded = config::load_path(&args.config)
         .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;

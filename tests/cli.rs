@@ -89,6 +89,41 @@ fn serve_refuses_an_invalid_config_before_binding() {
     );
 }
 
+/// `--redis-ca` is refused where it would not apply, instead of leaving those connections on
+/// the public roots.
+#[test]
+fn serve_refuses_a_redis_ca_it_cannot_apply() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, "not read").expect("write");
+    for mode in ["cluster", "sentinel"] {
+        let grpc = free_port();
+        let output = Command::new(RLSD)
+            .args(["serve", "--config", "examples/three-layer.yaml"])
+            .args(["--redis-url", "rediss://127.0.0.1:1", "--redis-mode", mode])
+            .arg("--redis-ca")
+            .arg(&ca)
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                "127.0.0.1:0",
+            ])
+            .output()
+            .expect("run");
+        assert!(!output.status.success(), "{mode}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("--redis-ca applies to --redis-mode single only"),
+            "{mode}: {stderr}"
+        );
+        assert!(
+            TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
+            "{mode}: port was never taken"
+        );
+    }
+}
+
 fn http_get(port: u16, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     write!(
