@@ -12,6 +12,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .file_descriptor_set_path(out_dir.join("rls_descriptor.bin"))
         .build_client(true)
         .build_server(true)
+        // prost's codec, with the response written by hand (src/codec.rs).
+        .codec_path("crate::codec::RlsCodec")
         .compile_protos(
             &[std::path::PathBuf::from(
                 "proto/envoy/service/ratelimit/v3/rls.proto",

@@ -14,6 +14,7 @@
 
 pub mod algorithm;
 pub mod clock;
+pub mod codec;
 pub mod config;
 pub mod engine;
 pub mod http;
