@@ -59,15 +59,13 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
     assert!(stderr.contains("unknown key 'colour'"), "{stderr}");
 }
 
-#[test]
-fn serve_refuses_an_invalid_config_before_binding() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("bad.yaml");
-    std::fs::write(&file, "domain: ''\ndescriptors: []\n").expect("write");
+/// Runs `rlsd serve` with `args` on loopback ports; asserts that it exits with an error without
+/// ever taking the gRPC port, and returns what it printed to stderr.
+fn serve_refused(args: &[&std::ffi::OsStr]) -> String {
     let grpc = free_port();
     let output = Command::new(RLSD)
-        .args(["serve", "--config"])
-        .arg(&file)
+        .arg("serve")
+        .args(args)
         .args([
             "--grpc-addr",
             &format!("127.0.0.1:{grpc}"),
@@ -76,16 +74,24 @@ fn serve_refuses_an_invalid_config_before_binding() {
         ])
         .output()
         .expect("run");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{args:?}");
+    assert!(
+        TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
+        "{args:?}: port was never taken"
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn serve_refuses_an_invalid_config_before_binding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(&file, "domain: ''\ndescriptors: []\n").expect("write");
+    let stderr = serve_refused(&["--config".as_ref(), file.as_os_str()]);
     assert!(stderr.contains("invalid config"), "{stderr}");
     assert!(
         stderr.contains("config file cannot have empty domain"),
         "{stderr}"
-    );
-    assert!(
-        TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
-        "port was never taken"
     );
 }
 
@@ -97,29 +103,19 @@ fn serve_refuses_a_redis_ca_it_cannot_apply() {
     let ca = dir.path().join("ca.pem");
     std::fs::write(&ca, "not read").expect("write");
     for mode in ["cluster", "sentinel"] {
-        let grpc = free_port();
-        let output = Command::new(RLSD)
-            .args(["serve", "--config", "examples/three-layer.yaml"])
-            .args(["--redis-url", "rediss://127.0.0.1:1", "--redis-mode", mode])
-            .arg("--redis-ca")
-            .arg(&ca)
-            .args([
-                "--grpc-addr",
-                &format!("127.0.0.1:{grpc}"),
-                "--http-addr",
-                "127.0.0.1:0",
-            ])
-            .output()
-            .expect("run");
-        assert!(!output.status.success(), "{mode}");
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = serve_refused(&[
+            "--config".as_ref(),
+            "examples/three-layer.yaml".as_ref(),
+            "--redis-url".as_ref(),
+            "rediss://127.0.0.1:1".as_ref(),
+            "--redis-mode".as_ref(),
+            mode.as_ref(),
+            "--redis-ca".as_ref(),
+            ca.as_os_str(),
+        ]);
         assert!(
             stderr.contains("--redis-ca applies to --redis-mode single only"),
             "{mode}: {stderr}"
-        );
-        assert!(
-            TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
-            "{mode}: port was never taken"
         );
     }
 }

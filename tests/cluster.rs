@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::cluster::RedisCluster;
-use common::{descriptor, request, spawn_server_with};
+use common::{allowed_of, descriptor, request, spawn_server_with};
 use rlsd::engine::KeySettings;
 use rlsd::pb::RateLimitServiceClient;
 use rlsd::pb::rate_limit_response::Code;
@@ -59,36 +59,13 @@ async fn three_replicas_on_a_cluster_admit_exactly_the_limit() {
     for _ in 0..3 {
         clients.push(rlsd(&cluster, FailureMode::Error, Duration::from_secs(2)).await);
     }
-    let tasks: Vec<_> = (0..60)
-        .map(|i| {
-            let mut client = clients[i % 3].clone();
-            tokio::spawn(async move {
-                let mut ok = 0;
-                for _ in 0..10 {
-                    // Three limits whose keys live in different slots: all or nothing across them.
-                    let req = request(
-                        "c",
-                        vec![
-                            descriptor(&[("a", "x")]),
-                            descriptor(&[("b", "y")]),
-                            descriptor(&[("c", "z")]),
-                        ],
-                    );
-                    let response = client
-                        .should_rate_limit(req)
-                        .await
-                        .expect("answer")
-                        .into_inner();
-                    ok += usize::from(response.overall_code == Code::Ok as i32);
-                }
-                ok
-            })
-        })
-        .collect();
-    let mut allowed = 0;
-    for task in tasks {
-        allowed += task.await.expect("task");
-    }
+    // Three limits whose keys live in different slots: all or nothing across them.
+    let descriptors = vec![
+        descriptor(&[("a", "x")]),
+        descriptor(&[("b", "y")]),
+        descriptor(&[("c", "z")]),
+    ];
+    let allowed = allowed_of(&clients, "c", 60, 10, descriptors).await;
     assert_eq!(allowed, 300, "600 requests, the tightest limit 300");
     // Denied requests were refunded in the other slots: b and c counted only the 300.
     let mut client = clients[0].clone();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::RedisServer;
-use common::{descriptor, request, spawn_server};
+use common::{allowed_of, descriptor, request, spawn_server};
 use rlsd::engine::KeySettings;
 use rlsd::limit::Algorithm;
 use rlsd::pb::RateLimitServiceClient;
@@ -66,6 +66,17 @@ impl Rlsd {
         Rlsd { grpc, stop, task }
     }
 
+    /// [`EXACT`] on `redis`, answering errors, with time enough for any call.
+    async fn exact(redis: &RedisServer) -> Rlsd {
+        Rlsd::start(
+            EXACT,
+            &redis.url(),
+            FailureMode::Error,
+            Duration::from_secs(2),
+        )
+        .await
+    }
+
     async fn client(&self) -> RateLimitServiceClient<Channel> {
         RateLimitServiceClient::connect(format!("http://{}", self.grpc))
             .await
@@ -78,53 +89,12 @@ impl Rlsd {
     }
 }
 
-/// Sends `per_task` copies of `descriptors` from each of `tasks` concurrent tasks, task `i` on
-/// `clients[i % clients.len()]`; how many were allowed.
-async fn allowed_of(
-    clients: &[RateLimitServiceClient<Channel>],
-    tasks: usize,
-    per_task: usize,
-    descriptors: Vec<rlsd::pb::RateLimitDescriptor>,
-) -> usize {
-    let tasks: Vec<_> = (0..tasks)
-        .map(|i| {
-            let mut client = clients[i % clients.len()].clone();
-            let descriptors = descriptors.clone();
-            tokio::spawn(async move {
-                let mut ok = 0;
-                for _ in 0..per_task {
-                    let response = client
-                        .should_rate_limit(request("exact", descriptors.clone()))
-                        .await
-                        .expect("answer")
-                        .into_inner();
-                    ok += usize::from(response.overall_code == Code::Ok as i32);
-                }
-                ok
-            })
-        })
-        .collect();
-    let mut allowed = 0;
-    for task in tasks {
-        allowed += task.await.expect("task");
-    }
-    allowed
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
     let redis = RedisServer::start();
     let mut replicas = Vec::new();
     for _ in 0..3 {
-        replicas.push(
-            Rlsd::start(
-                EXACT,
-                &redis.url(),
-                FailureMode::Error,
-                Duration::from_secs(2),
-            )
-            .await,
-        );
+        replicas.push(Rlsd::exact(&redis).await);
     }
     let mut clients = Vec::new();
     for replica in &replicas {
@@ -132,7 +102,7 @@ async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
     }
     for algorithm in Algorithm::ALL {
         let descriptors = vec![descriptor(&[("algorithm", algorithm.name())])];
-        let allowed = allowed_of(&clients, 100, 10, descriptors).await;
+        let allowed = allowed_of(&clients, "exact", 100, 10, descriptors).await;
         assert_eq!(
             allowed, 500,
             "{algorithm}: 1000 requests from 100 clients over 3 replicas"
@@ -164,13 +134,7 @@ async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_mid_run_fails_no_request() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(
-        EXACT,
-        &redis.url(),
-        FailureMode::Error,
-        Duration::from_secs(2),
-    )
-    .await;
+    let rlsd = Rlsd::exact(&redis).await;
     let client = rlsd.client().await;
     let tasks: Vec<_> = (0..8)
         .map(|_| {
@@ -284,13 +248,7 @@ fn command_calls(redis: &RedisServer, command: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_are_coalesced_and_stay_exact() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(
-        EXACT,
-        &redis.url(),
-        FailureMode::Error,
-        Duration::from_secs(2),
-    )
-    .await;
+    let rlsd = Rlsd::exact(&redis).await;
     let client = rlsd.client().await;
     let before = command_calls(&redis, "evalsha");
     let sets_before = command_calls(&redis, "set");
@@ -298,7 +256,7 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
         descriptor(&[("algorithm", "sliding_window_log")]),
         descriptor(&[("algorithm", "token_bucket")]),
     ];
-    let allowed = allowed_of(&[client], 64, 20, descriptors).await;
+    let allowed = allowed_of(&[client], "exact", 64, 20, descriptors).await;
     assert_eq!(allowed, 500, "1280 two-limit requests, both limits 500");
     let calls = command_calls(&redis, "evalsha") - before;
     assert!(
@@ -320,13 +278,7 @@ async fn concurrent_requests_are_coalesced_and_stay_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(
-        EXACT,
-        &redis.url(),
-        FailureMode::Error,
-        Duration::from_secs(2),
-    )
-    .await;
+    let rlsd = Rlsd::exact(&redis).await;
     // Each lane connects before it serves, so its first requests need not fit a connect into
     // their command timeout.
     let rlsd_connections = || {
@@ -354,7 +306,7 @@ async fn each_lane_opens_its_own_connection_and_the_limit_stays_exact() {
         clients.push(rlsd.client().await);
     }
     let descriptors = vec![descriptor(&[("algorithm", "gcra")])];
-    let allowed = allowed_of(&clients, 40, 20, descriptors).await;
+    let allowed = allowed_of(&clients, "exact", 40, 20, descriptors).await;
     assert_eq!(
         allowed, 500,
         "800 requests over four connections, limit 500"

@@ -215,3 +215,39 @@ async fn http_request(addr: SocketAddr, request: &str) -> (u16, String) {
         .unwrap_or_default();
     (status, body)
 }
+
+/// Sends `per_task` requests of `descriptors` in `domain` from each of `tasks` concurrent tasks,
+/// task `i` on `clients[i % clients.len()]`; how many were allowed.
+pub async fn allowed_of(
+    clients: &[RateLimitServiceClient<Channel>],
+    domain: &str,
+    tasks: usize,
+    per_task: usize,
+    descriptors: Vec<RateLimitDescriptor>,
+) -> usize {
+    let tasks: Vec<_> = (0..tasks)
+        .map(|i| {
+            let mut client = clients[i % clients.len()].clone();
+            let (domain, descriptors) = (domain.to_owned(), descriptors.clone());
+            tokio::spawn(async move {
+                let mut ok = 0;
+                for _ in 0..per_task {
+                    let response = client
+                        .should_rate_limit(request(&domain, descriptors.clone()))
+                        .await
+                        .expect("answer")
+                        .into_inner();
+                    ok += usize::from(
+                        response.overall_code == rlsd::pb::rate_limit_response::Code::Ok as i32,
+                    );
+                }
+                ok
+            })
+        })
+        .collect();
+    let mut allowed = 0;
+    for task in tasks {
+        allowed += task.await.expect("task");
+    }
+    allowed
+}
