@@ -118,20 +118,53 @@ pub fn encode_response(response: &RateLimitResponse, buf: &mut impl BufMut) {
     }
 }
 
-/// Whether every field set is one this encoder writes.
+/// Whether every field set is one this encoder writes. The structs are taken apart field by
+/// field, so a field added to the protos fails to compile here instead of being dropped.
 fn by_hand(response: &RateLimitResponse) -> bool {
-    response.request_headers_to_add.is_empty()
-        && response.raw_body.is_empty()
-        && response.dynamic_metadata.is_none()
-        && response.quota.is_none()
-        && response
-            .statuses
-            .iter()
-            .all(|status| status.quota.is_none())
-        && response
-            .response_headers_to_add
-            .iter()
-            .all(|header| header.raw_value.is_empty())
+    let RateLimitResponse {
+        overall_code: _,
+        statuses,
+        response_headers_to_add,
+        request_headers_to_add,
+        raw_body,
+        dynamic_metadata,
+        quota,
+    } = response;
+    let plain_status = |status: &DescriptorStatus| {
+        let DescriptorStatus {
+            code: _,
+            current_limit,
+            limit_remaining: _,
+            duration_until_reset,
+            quota,
+        } = status;
+        if let Some(RateLimit {
+            name: _,
+            requests_per_unit: _,
+            unit: _,
+        }) = current_limit
+        {}
+        if let Some(prost_types::Duration {
+            seconds: _,
+            nanos: _,
+        }) = duration_until_reset
+        {}
+        quota.is_none()
+    };
+    let plain_header = |header: &HeaderValue| {
+        let HeaderValue {
+            key: _,
+            value: _,
+            raw_value,
+        } = header;
+        raw_value.is_empty()
+    };
+    request_headers_to_add.is_empty()
+        && raw_body.is_empty()
+        && dynamic_metadata.is_none()
+        && quota.is_none()
+        && statuses.iter().all(plain_status)
+        && response_headers_to_add.iter().all(plain_header)
 }
 
 /// Wire types.

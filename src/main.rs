@@ -115,7 +115,7 @@ struct ServeArgs {
     #[arg(long, env = "RLSD_REDIS_MASTER_NAME", default_value = "mymaster")]
     redis_master_name: String,
     /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots);
-    /// `--redis-mode single` only.
+    /// not with `--redis-mode sentinel`.
     #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
     redis_ca: Option<PathBuf>,
     /// Longest wait for a Redis connection, in milliseconds.
@@ -266,11 +266,11 @@ fn check(path: &std::path::Path) -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    // Only the single-server connection is built with a private CA: taken silently, the flag
-    // would leave Cluster or Sentinel connections trusting the public roots instead.
-    if args.redis_ca.is_some() && args.redis_mode != RedisMode::Single {
+    // Sentinel's connections are not built with a private CA: taken silently, the flag would
+    // leave them trusting the public roots instead.
+    if args.redis_ca.is_some() && args.redis_mode == RedisMode::Sentinel {
         anyhow::bail!(
-            "--redis-ca applies to --redis-mode single only; with cluster or sentinel, rlsd \
+            "--redis-ca applies to --redis-mode single and cluster; with sentinel, rlsd \
              cannot yet trust a private CA"
         );
     }
@@ -321,6 +321,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let mut cluster = ClusterSettings::new(nodes);
                 cluster.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
                 cluster.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
+                cluster.ca_file.clone_from(&args.redis_ca);
                 // No over-limit cache here: the cluster store refunds cross-slot denials, so quota
                 // can come back before a denial's reset, which the cache's exactness relies on.
                 let store = Arc::new(ClusterStore::connect(cluster).await?);

@@ -60,9 +60,11 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
 }
 
 /// Runs `rlsd serve` with `args` on loopback ports; asserts that it exits with an error without
-/// ever taking the gRPC port, and returns what it printed to stderr.
+/// ever trying to bind, and returns what it printed to stderr.
 fn serve_refused(args: &[&std::ffi::OsStr]) -> String {
-    let grpc = free_port();
+    // Held while rlsd runs: had it tried to bind, it would have failed saying so.
+    let taken = TcpListener::bind("127.0.0.1:0").expect("a port");
+    let grpc = taken.local_addr().expect("address").port();
     let output = Command::new(RLSD)
         .arg("serve")
         .args(args)
@@ -75,11 +77,13 @@ fn serve_refused(args: &[&std::ffi::OsStr]) -> String {
         .output()
         .expect("run");
     assert!(!output.status.success(), "{args:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(
-        TcpListener::bind(("127.0.0.1", grpc)).is_ok(),
-        "{args:?}: port was never taken"
+        !stderr.contains("binding"),
+        "{args:?}: tried to bind: {stderr}"
     );
-    String::from_utf8_lossy(&output.stderr).into_owned()
+    drop(taken);
+    stderr
 }
 
 #[test]
@@ -95,29 +99,42 @@ fn serve_refuses_an_invalid_config_before_binding() {
     );
 }
 
-/// `--redis-ca` is refused where it would not apply, instead of leaving those connections on
-/// the public roots.
+/// `--redis-ca` is refused where it would not apply (Sentinel), instead of leaving those
+/// connections on the public roots; for Cluster it is read, and a file without a certificate is
+/// an error that names it.
 #[test]
-fn serve_refuses_a_redis_ca_it_cannot_apply() {
+fn serve_refuses_a_redis_ca_it_cannot_apply_or_read() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ca = dir.path().join("ca.pem");
-    std::fs::write(&ca, "not read").expect("write");
-    for mode in ["cluster", "sentinel"] {
-        let stderr = serve_refused(&[
+    std::fs::write(&ca, "not a certificate").expect("write");
+    let args = |mode: &'static str| {
+        [
             "--config".as_ref(),
             "examples/three-layer.yaml".as_ref(),
             "--redis-url".as_ref(),
             "rediss://127.0.0.1:1".as_ref(),
             "--redis-mode".as_ref(),
-            mode.as_ref(),
+            std::ffi::OsStr::new(mode),
             "--redis-ca".as_ref(),
             ca.as_os_str(),
-        ]);
-        assert!(
-            stderr.contains("--redis-ca applies to --redis-mode single only"),
-            "{mode}: {stderr}"
-        );
-    }
+        ]
+    };
+    let stderr = serve_refused(&args("sentinel"));
+    assert!(
+        stderr.contains("--redis-ca applies to --redis-mode single and cluster"),
+        "{stderr}"
+    );
+    // The cluster store reads the CA when it connects, after the ports are bound.
+    let output = Command::new(RLSD)
+        .arg("serve")
+        .args(args("cluster"))
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let expected = format!("redis CA {}: no PEM certificate", ca.display());
+    assert!(stderr.contains(&expected), "{stderr}");
 }
 
 fn http_get(port: u16, path: &str) -> Option<String> {

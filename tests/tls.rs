@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::cluster::{ClusterTls, RedisCluster};
 use common::redis::{RedisServer, RedisTls};
 use common::{descriptor, request, spawn_server_with};
 use rlsd::algorithm::{Hits, Params};
@@ -20,7 +21,9 @@ use rlsd::pb::RateLimitServiceClient;
 use rlsd::pb::rate_limit_response::Code;
 use rlsd::server::ServeOptions;
 use rlsd::service::ServiceSettings;
-use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store, StoreError};
+use rlsd::store::{
+    Check, ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store, StoreError,
+};
 use rlsd::tls::{TlsError, TlsFiles, TlsReload, TlsSettings};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -697,6 +700,45 @@ async fn the_redis_store_decides_over_rediss_with_an_acl_user() {
         redis.cli(&["EXISTS", "tls:untrusted"]).as_deref(),
         Some("0")
     );
+}
+
+/// A Redis Cluster on TLS only (clients, replication, bus), under a private CA: the cluster
+/// store decides with `--redis-ca`, and cannot connect without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_store_decides_over_rediss_with_a_private_ca() {
+    let pki = Pki::new();
+    let ca = pki.ca("cluster-ca");
+    let cert = pki.issue(&ca, "redis-cluster", Leaf::Server, 8);
+    let node = pki.issue(&ca, "redis-cluster-node", Leaf::Client, 9);
+    let cluster = RedisCluster::start_tls(ClusterTls {
+        cert: cert.cert,
+        key: cert.key,
+        ca: ca.cert.clone(),
+        client_cert: node.cert,
+        client_key: node.key,
+    });
+    let settings = |ca_file: Option<PathBuf>| {
+        let mut settings = ClusterSettings::new(cluster.urls());
+        settings.connect_timeout = Duration::from_secs(2);
+        settings.command_timeout = Duration::from_secs(2);
+        settings.ca_file = ca_file;
+        settings
+    };
+    let store = ClusterStore::connect(settings(Some(ca.cert.clone())))
+        .await
+        .expect("connects over TLS");
+    for expected in [true, true, false] {
+        let outcomes = store.decide(&[check("tls:c")]).await.expect("decided");
+        assert_eq!(outcomes[0].verdict.allowed, expected);
+    }
+    let master = cluster.master_of("tls:c").expect("a master holds the key");
+    assert_eq!(
+        cluster.cli(master, &["EXISTS", "tls:c"]).as_deref(),
+        Some("1")
+    );
+    // Without the CA, the nodes' certificates are not trusted.
+    let untrusted = ClusterStore::connect(settings(None)).await;
+    assert!(untrusted.is_err(), "connected without the CA");
 }
 
 #[tokio::test]

@@ -11,21 +11,27 @@ fn by_hand(response: &RateLimitResponse) -> Vec<u8> {
     bytes
 }
 
+/// Zero (proto3 leaves it out, and it is rlsd's most common value), small values, and any.
+fn u32_value() -> impl Strategy<Value = u32> {
+    prop_oneof![Just(0), 1..200_u32, any::<u32>()]
+}
+
 fn status() -> impl Strategy<Value = DescriptorStatus> {
+    let unit = prop_oneof![Just(0), 1..8_i32, any::<i32>()];
     let limit =
-        (".{0,40}", any::<u32>(), any::<i32>()).prop_map(|(name, requests_per_unit, unit)| {
-            RateLimit {
-                name,
-                requests_per_unit,
-                unit,
-            }
+        (".{0,40}", u32_value(), unit).prop_map(|(name, requests_per_unit, unit)| RateLimit {
+            name,
+            requests_per_unit,
+            unit,
         });
-    let duration = (any::<i64>(), any::<i32>())
-        .prop_map(|(seconds, nanos)| prost_types::Duration { seconds, nanos });
+    let seconds = prop_oneof![Just(0), 1..100_i64, any::<i64>()];
+    let nanos = prop_oneof![Just(0), 1..1_000_000_000_i32, any::<i32>()];
+    let duration =
+        (seconds, nanos).prop_map(|(seconds, nanos)| prost_types::Duration { seconds, nanos });
     (
         prop_oneof![Just(0), Just(1), Just(2), any::<i32>()],
         proptest::option::of(limit),
-        any::<u32>(),
+        u32_value(),
         proptest::option::of(duration),
     )
         .prop_map(
@@ -66,6 +72,35 @@ proptest! {
         prop_assert_eq!(&bytes, &response.encode_to_vec());
         prop_assert_eq!(RateLimitResponse::decode(bytes.as_slice()).expect("decodes"), response);
     }
+}
+
+/// An over-limit answer as rlsd builds it: zero remaining, a reset under a second.
+#[test]
+fn an_over_limit_answer_encodes_as_prost_encodes_it() {
+    let response = RateLimitResponse {
+        overall_code: 2,
+        statuses: vec![DescriptorStatus {
+            code: 2,
+            current_limit: Some(RateLimit {
+                name: "edge".to_owned(),
+                requests_per_unit: 10,
+                unit: 1,
+            }),
+            limit_remaining: 0,
+            duration_until_reset: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 250_000_000,
+            }),
+            quota: None,
+        }],
+        response_headers_to_add: vec![HeaderValue {
+            key: "retry-after".to_owned(),
+            value: "1".to_owned(),
+            raw_value: Vec::new(),
+        }],
+        ..Default::default()
+    };
+    assert_eq!(by_hand(&response), response.encode_to_vec());
 }
 
 #[test]

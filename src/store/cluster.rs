@@ -35,7 +35,7 @@ use crate::algorithm::{Hits, Params};
 use crate::clock::Clock;
 use crate::limit::Algorithm;
 
-use super::redis::{SCRIPT, ScriptCall, split_reply};
+use super::redis::{SCRIPT, ScriptCall, split_reply, trusted_ca};
 use super::{Check, Outcome, Store, StoreError, request_allowed};
 
 /// How to reach a Redis Cluster.
@@ -49,6 +49,9 @@ pub struct ClusterSettings {
     pub command_timeout: Duration,
     /// Tests only: a clock whose reading is passed to the script instead of Redis `TIME`.
     pub fixed_clock: Option<Arc<dyn Clock>>,
+    /// A PEM file of CA certificates to trust for `rediss://` nodes instead of the built-in
+    /// roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl ClusterSettings {
@@ -59,6 +62,7 @@ impl ClusterSettings {
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(5),
             fixed_clock: None,
+            ca_file: None,
         }
     }
 }
@@ -83,10 +87,14 @@ impl ClusterStore {
     /// # Errors
     /// When the node list is invalid or no seed node answers.
     pub async fn connect(settings: ClusterSettings) -> Result<ClusterStore, StoreError> {
-        let client = ClusterClient::builder(settings.nodes.clone())
+        let mut builder = ClusterClient::builder(settings.nodes.clone())
             .connection_timeout(settings.connect_timeout)
             .response_timeout(settings.command_timeout)
-            .retries(2)
+            .retries(2);
+        if let Some(path) = &settings.ca_file {
+            builder = builder.certs(trusted_ca(path)?);
+        }
+        let client = builder
             .build()
             .map_err(|error| StoreError::Config(format!("invalid redis cluster nodes: {error}")))?;
         let connection =

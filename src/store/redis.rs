@@ -85,6 +85,16 @@ fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
         return redis::Client::open(settings.url.as_str())
             .map_err(|error| StoreError::Config(format!("invalid redis url: {error}")));
     };
+    redis::Client::build_with_tls(settings.url.as_str(), trusted_ca(path)?).map_err(|error| {
+        StoreError::Config(format!(
+            "invalid redis url with --redis-ca (needs rediss://): {error}"
+        ))
+    })
+}
+
+/// The CA certificates in the PEM file at `path`, as redis-rs takes them to trust instead of
+/// the built-in roots; an unreadable file or one without a certificate is an error naming it.
+pub(super) fn trusted_ca(path: &std::path::Path) -> Result<redis::TlsCertificates, StoreError> {
     let root_cert = std::fs::read(path).map_err(|error| {
         StoreError::Config(format!("cannot read redis CA {}: {error}", path.display()))
     })?;
@@ -104,14 +114,9 @@ fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
             )));
         }
     }
-    let certificates = redis::TlsCertificates {
+    Ok(redis::TlsCertificates {
         client_tls: None,
         root_cert: Some(root_cert),
-    };
-    redis::Client::build_with_tls(settings.url.as_str(), certificates).map_err(|error| {
-        StoreError::Config(format!(
-            "invalid redis url with --redis-ca (needs rediss://): {error}"
-        ))
     })
 }
 

@@ -10,6 +10,19 @@ pub struct RedisCluster {
     pub ports: Vec<u16>,
     children: Vec<Option<Child>>,
     dir: tempfile::TempDir,
+    tls: Option<ClusterTls>,
+}
+
+/// TLS on every node's port and on the cluster bus, with a certificate for 127.0.0.1.
+pub struct ClusterTls {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+    /// The CA that signed it, which redis-cli and rlsd trust.
+    pub ca: std::path::PathBuf,
+    /// A client certificate and key from the same CA, which a node presents on the cluster bus
+    /// and to its master (those connections are mutual TLS).
+    pub client_cert: std::path::PathBuf,
+    pub client_key: std::path::PathBuf,
 }
 
 fn free_ports(n: usize) -> Vec<u16> {
@@ -32,17 +45,28 @@ fn free_ports(n: usize) -> Vec<u16> {
 impl RedisCluster {
     /// Starts six nodes and joins them into a cluster with one replica per master.
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with(None)
+    }
+
+    /// [`RedisCluster::start`], speaking only TLS (clients, replication and the cluster bus).
+    pub fn start_tls(tls: ClusterTls) -> RedisCluster {
+        RedisCluster::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<ClusterTls>) -> RedisCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = free_ports(6);
         let mut cluster = RedisCluster {
             children: ports.iter().map(|_| None).collect(),
             ports,
             dir,
+            tls,
         };
         for i in 0..cluster.ports.len() {
             cluster.start_node(i);
         }
         let mut create = Command::new("redis-cli");
+        cluster.tls_args(&mut create);
         create.arg("--cluster").arg("create");
         for port in &cluster.ports {
             create.arg(format!("127.0.0.1:{port}"));
@@ -60,19 +84,35 @@ impl RedisCluster {
         cluster
     }
 
+    /// redis-cli's options for a TLS cluster; none for a plain one.
+    fn tls_args(&self, command: &mut Command) {
+        if let Some(tls) = &self.tls {
+            command.arg("--tls").arg("--cacert").arg(&tls.ca);
+        }
+    }
+
     fn start_node(&mut self, i: usize) {
         let port = self.ports[i];
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let mut command = Command::new("redis-server");
+        match &self.tls {
+            None => command.args(["--port", &port.to_string()]),
+            Some(tls) => command
+                .args(["--port", "0", "--tls-port", &port.to_string()])
+                .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
+                .arg("--tls-cert-file")
+                .arg(&tls.cert)
+                .arg("--tls-key-file")
+                .arg(&tls.key)
+                .arg("--tls-ca-cert-file")
+                .arg(&tls.ca)
+                .arg("--tls-client-cert-file")
+                .arg(&tls.client_cert)
+                .arg("--tls-client-key-file")
+                .arg(&tls.client_key)
+                .args(["--tls-auth-clients", "optional"]),
+        };
+        let child = command
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
             // Replicas sync at once and may always take over: a test kills masters on purpose.
             .args([
@@ -126,11 +166,16 @@ impl RedisCluster {
         }
     }
 
-    /// `redis://127.0.0.1:<port>` for every node.
+    /// `redis://127.0.0.1:<port>` (`rediss://` with TLS) for every node.
     pub fn urls(&self) -> Vec<String> {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.ports
             .iter()
-            .map(|port| format!("redis://127.0.0.1:{port}"))
+            .map(|port| format!("{scheme}://127.0.0.1:{port}"))
             .collect()
     }
 
@@ -168,7 +213,9 @@ impl RedisCluster {
 
     /// Runs redis-cli against one node; its trimmed stdout, if it ran.
     pub fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
-        let output = Command::new("redis-cli")
+        let mut command = Command::new("redis-cli");
+        self.tls_args(&mut command);
+        let output = command
             .args(["-h", "127.0.0.1", "-p", &port.to_string()])
             .args(args)
             .output()
