@@ -96,15 +96,8 @@ impl RedisCluster {
         let mut command = Command::new("redis-server");
         match &self.tls {
             None => command.args(["--port", &port.to_string()]),
-            Some(tls) => command
-                .args(["--port", "0", "--tls-port", &port.to_string()])
+            Some(tls) => super::redis::tls_only(&mut command, port, &tls.cert, &tls.key, &tls.ca)
                 .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
-                .arg("--tls-cert-file")
-                .arg(&tls.cert)
-                .arg("--tls-key-file")
-                .arg(&tls.key)
-                .arg("--tls-ca-cert-file")
-                .arg(&tls.ca)
                 .arg("--tls-client-cert-file")
                 .arg(&tls.client_cert)
                 .arg("--tls-client-key-file")

@@ -88,14 +88,7 @@ impl RedisServer {
         let mut command = Command::new("redis-server");
         match &self.tls {
             None => command.args(["--port", &self.port.to_string()]),
-            Some(tls) => command
-                .args(["--port", "0", "--tls-port", &self.port.to_string()])
-                .arg("--tls-cert-file")
-                .arg(&tls.cert)
-                .arg("--tls-key-file")
-                .arg(&tls.key)
-                .arg("--tls-ca-cert-file")
-                .arg(&tls.ca)
+            Some(tls) => tls_only(&mut command, self.port, &tls.cert, &tls.key, &tls.ca)
                 .args(["--tls-auth-clients", "no"])
                 .args(["--user", "default", "off"])
                 .args(["--user", &tls.user, "on", &format!(">{}", tls.password)])
@@ -143,4 +136,23 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// redis-server options to listen on `port` with TLS only, presenting `cert` and `key` and
+/// trusting `ca`.
+pub fn tls_only<'c>(
+    command: &'c mut Command,
+    port: u16,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    ca: &std::path::Path,
+) -> &'c mut Command {
+    command
+        .args(["--port", "0", "--tls-port", &port.to_string()])
+        .arg("--tls-cert-file")
+        .arg(cert)
+        .arg("--tls-key-file")
+        .arg(key)
+        .arg("--tls-ca-cert-file")
+        .arg(ca)
 }
