@@ -55,7 +55,7 @@ pub struct Metrics {
     shadow_mode: IntCounterVec,
     /// Cached handles by domain, then path: label lookups (and allocations) stay off the
     /// request path once a limit has been seen.
-    limits: RwLock<LimitMap<HashMap<String, Arc<LimitCounters>>>>,
+    limits: RwLock<LimitMap<LimitMap<Arc<LimitCounters>>>>,
     /// `ShouldRateLimit` latency, as the server measures it.
     pub request_duration: Histogram,
     /// Store call latency by store.

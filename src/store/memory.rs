@@ -3,8 +3,9 @@
 //! A request locks every shard its keys live in, in ascending shard order (so two requests on
 //! overlapping keys can never deadlock), evaluates all checks, and commits only if all pass.
 
-use std::collections::HashMap;
 use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -22,13 +23,29 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 type Hasher = foldhash::fast::RandomState;
 
 struct Entry {
+    key: Box<str>,
     state: State,
     expires_at: u64,
 }
 
+/// One shard's keys. A table rather than a map, so a request hashes each key once and uses
+/// that hash for its shard, for finding the key, and for spotting a key repeated in the request.
 #[derive(Default)]
 struct Shard {
-    entries: HashMap<Box<str>, Entry, Hasher>,
+    entries: HashTable<Entry>,
+}
+
+impl Shard {
+    fn get(&self, hash: u64, key: &str) -> Option<&Entry> {
+        self.entries.find(hash, |entry| *entry.key == *key)
+    }
+}
+
+/// A check's key hash and the shard it selects.
+#[derive(Clone, Copy)]
+struct Located {
+    hash: u64,
+    shard: usize,
 }
 
 /// Counters an operator can read to see the store's memory use.
@@ -45,7 +62,7 @@ pub struct MemoryStoreStats {
 /// State in this process's memory: nothing else to run.
 pub struct MemoryStore<C: Clock = SystemClock> {
     shards: Box<[Mutex<Shard>]>,
-    shard_hasher: Hasher,
+    key_hasher: Hasher,
     clock: C,
     live_keys: AtomicUsize,
     capacity: usize,
@@ -67,7 +84,7 @@ impl<C: Clock> MemoryStore<C> {
     pub fn with_clock(capacity: usize, clock: C) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            shard_hasher: Hasher::default(),
+            key_hasher: Hasher::default(),
             clock,
             live_keys: AtomicUsize::new(0),
             capacity,
@@ -107,15 +124,24 @@ impl<C: Clock> MemoryStore<C> {
 
     fn purge_shard(&self, shard: &mut Shard, now: u64) -> usize {
         let before = shard.entries.len();
-        shard.entries.retain(|_, entry| entry.expires_at > now);
+        shard.entries.retain(|entry| entry.expires_at > now);
         let purged = before - shard.entries.len();
         self.live_keys.fetch_sub(purged, Ordering::Relaxed);
         purged
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        // SHARDS is a power of two, so the mask keeps the low bits of the hash.
-        (self.shard_hasher.hash_one(key) as usize) & (SHARDS - 1)
+    fn locate(&self, key: &str) -> Located {
+        let hash = self.key_hasher.hash_one(key);
+        // The table picks buckets with the hash's low bits and tags them with its top seven, so
+        // the shard comes from bits in between: keys of one shard must not share either.
+        Located {
+            hash,
+            shard: (hash >> 32) as usize & (SHARDS - 1),
+        }
+    }
+
+    fn key_hash(&self, entry: &Entry) -> u64 {
+        self.key_hasher.hash_one(&*entry.key)
     }
 
     fn decide_now(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
@@ -153,11 +179,8 @@ impl<C: Clock> MemoryStore<C> {
 
     fn try_decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let now = self.clock.now_us();
-        let shard_of: Vec<usize> = checks
-            .iter()
-            .map(|check| self.shard_of(&check.key))
-            .collect();
-        let mut order = shard_of.clone();
+        let located: Vec<Located> = checks.iter().map(|check| self.locate(&check.key)).collect();
+        let mut order: Vec<usize> = located.iter().map(|at| at.shard).collect();
         order.sort_unstable();
         order.dedup();
         let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
@@ -167,18 +190,16 @@ impl<C: Clock> MemoryStore<C> {
         let guard_of = |shard: usize| order.binary_search(&shard).unwrap_or(0);
 
         let mut assessments = Vec::with_capacity(checks.len());
-        for (i, check) in checks.iter().enumerate() {
+        for (i, (check, at)) in checks.iter().zip(&located).enumerate() {
             // A key seen earlier in this request is evaluated after that earlier check's hits.
-            let earlier = (0..i).rev().find_map(|j| {
-                (checks[j].key == check.key)
-                    .then(|| assessments_update(&assessments, j))
-                    .flatten()
-            });
+            let earlier = (0..i)
+                .rev()
+                .find(|&j| repeats(checks, &located, j, i))
+                .and_then(|j| assessments_update(&assessments, j));
             let stored = || {
-                guards[guard_of(shard_of[i])]
+                guards[guard_of(at.shard)]
                     .1
-                    .entries
-                    .get(check.key.as_str())
+                    .get(at.hash, &check.key)
                     .filter(|entry| entry.expires_at > now)
                     .map(|entry| &entry.state)
             };
@@ -204,20 +225,28 @@ impl<C: Clock> MemoryStore<C> {
                 .collect());
         }
 
-        self.ensure_room(checks, &shard_of, &mut guards, &guard_of, now)?;
-        for ((check, assessment), shard) in checks.iter().zip(assessments).zip(&shard_of) {
+        self.ensure_room(checks, &located, &mut guards, &guard_of, now)?;
+        for ((check, assessment), at) in checks.iter().zip(assessments).zip(&located) {
             let Some(Update { state, ttl_us }) = assessment.update else {
                 continue;
             };
-            let entry = Entry {
-                state,
-                expires_at: now.saturating_add(ttl_us),
-            };
-            let entries = &mut guards[guard_of(*shard)].1.entries;
-            match entries.get_mut(check.key.as_str()) {
-                Some(slot) => *slot = entry,
+            let expires_at = now.saturating_add(ttl_us);
+            let entries = &mut guards[guard_of(at.shard)].1.entries;
+            match entries.find_mut(at.hash, |entry| *entry.key == *check.key) {
+                Some(entry) => {
+                    entry.state = state;
+                    entry.expires_at = expires_at;
+                }
                 None => {
-                    entries.insert(check.key.as_str().into(), entry);
+                    entries.insert_unique(
+                        at.hash,
+                        Entry {
+                            key: check.key.as_str().into(),
+                            state,
+                            expires_at,
+                        },
+                        |entry| self.key_hash(entry),
+                    );
                     self.live_keys.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -230,7 +259,7 @@ impl<C: Clock> MemoryStore<C> {
     fn ensure_room(
         &self,
         checks: &[Check],
-        shard_of: &[usize],
+        located: &[Located],
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
         guard_of: &impl Fn(usize) -> usize,
         now: u64,
@@ -239,12 +268,13 @@ impl<C: Clock> MemoryStore<C> {
             checks
                 .iter()
                 .enumerate()
-                .filter(|(i, check)| {
-                    !guards[guard_of(shard_of[*i])]
+                .filter(|&(i, check)| {
+                    let at = located[i];
+                    guards[guard_of(at.shard)]
                         .1
-                        .entries
-                        .contains_key(check.key.as_str())
-                        && !checks[..*i].iter().any(|earlier| earlier.key == check.key)
+                        .get(at.hash, &check.key)
+                        .is_none()
+                        && !(0..i).any(|j| repeats(checks, located, j, i))
                 })
                 .count()
         };
@@ -263,6 +293,12 @@ impl<C: Clock> MemoryStore<C> {
             capacity: self.capacity,
         })
     }
+}
+
+/// Whether check `j` has the same key as check `i`; the hashes differ for almost every pair,
+/// which saves comparing the keys.
+fn repeats(checks: &[Check], located: &[Located], j: usize, i: usize) -> bool {
+    located[j].hash == located[i].hash && checks[j].key == checks[i].key
 }
 
 fn assessments_update(assessments: &[algorithm::Assessment], j: usize) -> Option<&Update> {
