@@ -191,11 +191,13 @@ impl<C: Clock> MemoryStore<C> {
 
         let mut assessments = Vec::with_capacity(checks.len());
         for (i, (check, at)) in checks.iter().zip(&located).enumerate() {
-            // A key seen earlier in this request is evaluated after that earlier check's hits.
-            let earlier = (0..i)
-                .rev()
-                .find(|&j| repeats(checks, &located, j, i))
-                .and_then(|j| assessments_update(&assessments, j));
+            // A key seen earlier in this request is evaluated after the latest earlier check
+            // of it that changed its state.
+            let earlier = (0..i).rev().find_map(|j| {
+                repeats(checks, &located, j, i)
+                    .then(|| assessments_update(&assessments, j))
+                    .flatten()
+            });
             let stored = || {
                 guards[guard_of(at.shard)]
                     .1
