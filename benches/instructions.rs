@@ -156,7 +156,7 @@ impl Rig {
 }
 
 fn decode(wire: &[Vec<u8>], i: usize) -> RateLimitRequest {
-    RateLimitRequest::decode(wire[i % wire.len()].as_slice()).expect("decodes")
+    rlsd::codec::decode_request(&wire[i % wire.len()]).expect("decodes")
 }
 
 fn shape_named(name: &str) -> Shape {

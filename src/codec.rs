@@ -5,11 +5,16 @@
 //! are known from their values. Fields rlsd never sets (request headers, raw body, dynamic
 //! metadata, quotas, raw header values) send the whole response through prost instead, so
 //! whatever the message holds, the bytes are prost's.
+//!
+//! A `RateLimitRequest` of the usual shape is read by hand too (see `decode`); any other
+//! falls back to prost, so the decoded request, or the error, is prost's.
+
+mod decode;
 
 use std::marker::PhantomData;
 
 use prost::Message;
-use prost::bytes::BufMut;
+use prost::bytes::{Buf, BufMut};
 use tonic::Status;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic_prost::ProstDecoder;
@@ -34,7 +39,7 @@ impl<T, U> Default for RlsCodec<T, U> {
 impl<T, U> Codec for RlsCodec<T, U>
 where
     T: WireEncode + Send + 'static,
-    U: Message + Default + Send + 'static,
+    U: WireDecode + Send + 'static,
 {
     type Encode = T;
     type Decode = U;
@@ -66,17 +71,49 @@ impl<T: WireEncode> Encoder for RlsEncoder<T> {
     }
 }
 
-/// Reads messages with prost.
+/// Reads messages with [`WireDecode`], falling back to prost.
 #[derive(Debug)]
 pub struct RlsDecoder<U>(ProstDecoder<U>);
 
-impl<U: Message + Default> Decoder for RlsDecoder<U> {
+impl<U: WireDecode> Decoder for RlsDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        // A gRPC message arrives whole in one buffer, so its bytes are one slice.
+        if buf.chunk().len() == buf.remaining()
+            && let Some(message) = U::decode_wire(buf.chunk())
+        {
+            buf.advance(buf.remaining());
+            return Ok(Some(message));
+        }
         self.0.decode(buf)
     }
+}
+
+/// A message as the service's codec reads it.
+pub trait WireDecode: Message + Default {
+    /// The message in `bytes`, or `None` to have prost decode them.
+    fn decode_wire(bytes: &[u8]) -> Option<Self> {
+        let _ = bytes;
+        None
+    }
+}
+
+impl WireDecode for RateLimitRequest {
+    fn decode_wire(bytes: &[u8]) -> Option<Self> {
+        decode::request(bytes)
+    }
+}
+
+impl WireDecode for RateLimitResponse {}
+
+/// Decodes a `RateLimitRequest` as the service does: by hand when it can, else with prost.
+///
+/// # Errors
+/// prost's, when the bytes are not a `RateLimitRequest`.
+pub fn decode_request(bytes: &[u8]) -> Result<RateLimitRequest, prost::DecodeError> {
+    decode::request(bytes).map_or_else(|| RateLimitRequest::decode(bytes), Ok)
 }
 
 /// A message as the service's codec writes it.
