@@ -3,6 +3,8 @@
 //! Every component is escaped, so the encoding is injective (`a=b:c` and `a=b`,`c` differ) and
 //! no value can place a `{...}` Redis Cluster hash tag in the key.
 
+use std::borrow::Cow;
+
 use crate::limit::Limit;
 
 use super::KeySettings;
@@ -15,35 +17,67 @@ pub fn encode(
     limit: &Limit,
     entries: &[(String, String)],
 ) -> String {
-    let mut key = String::with_capacity(
-        settings.prefix.len()
-            + domain.len()
-            + 32
-            + entries
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 2)
-                .sum::<usize>(),
-    );
-    escape_into(&mut key, &settings.prefix);
-    key.push(':');
-    escape_into(&mut key, layer);
-    key.push(':');
-    escape_into(&mut key, domain);
-    key.push(':');
-    key.push_str(limit.algorithm.key_tag());
-    key.push(':');
-    push_decimal(&mut key, limit.period.seconds());
-    if limit.variant > 0 {
-        key.push('~');
-        push_decimal(&mut key, u64::from(limit.variant));
+    Namespace::new(settings, domain).encode(layer, limit, entries)
+}
+
+/// The prefix and domain every key of one request shares, escaped once for the request rather
+/// than once per key (both almost never need escaping, so both are usually borrowed).
+pub struct Namespace<'a> {
+    prefix: Cow<'a, str>,
+    domain: Cow<'a, str>,
+}
+
+impl<'a> Namespace<'a> {
+    /// The namespace of a request to `domain`.
+    pub fn new(settings: &'a KeySettings, domain: &'a str) -> Self {
+        Namespace {
+            prefix: escaped(&settings.prefix),
+            domain: escaped(domain),
+        }
     }
-    for (k, v) in entries {
+
+    /// Builds the key of `limit` for a descriptor with `entries`.
+    pub fn encode(&self, layer: &str, limit: &Limit, entries: &[(String, String)]) -> String {
+        let mut key = String::with_capacity(
+            self.prefix.len()
+                + self.domain.len()
+                + 32
+                + entries
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len() + 2)
+                    .sum::<usize>(),
+        );
+        key.push_str(&self.prefix);
         key.push(':');
-        escape_into(&mut key, k);
-        key.push('=');
-        escape_into(&mut key, v);
+        escape_into(&mut key, layer);
+        key.push(':');
+        key.push_str(&self.domain);
+        key.push(':');
+        key.push_str(limit.algorithm.key_tag());
+        key.push(':');
+        push_decimal(&mut key, limit.period.seconds());
+        if limit.variant > 0 {
+            key.push('~');
+            push_decimal(&mut key, u64::from(limit.variant));
+        }
+        for (k, v) in entries {
+            key.push(':');
+            escape_into(&mut key, k);
+            key.push('=');
+            escape_into(&mut key, v);
+        }
+        key
     }
-    key
+}
+
+fn escaped(text: &str) -> Cow<'_, str> {
+    if needs_escape(text) {
+        let mut out = String::with_capacity(text.len() + 8);
+        escape_into(&mut out, text);
+        Cow::Owned(out)
+    } else {
+        Cow::Borrowed(text)
+    }
 }
 
 /// The bytes `escape_into` encodes, as a table: one load per byte instead of five comparisons
@@ -58,10 +92,14 @@ static NEEDS_ESCAPE: [bool; 256] = {
     table
 };
 
+fn needs_escape(text: &str) -> bool {
+    text.bytes().any(|b| NEEDS_ESCAPE[usize::from(b)])
+}
+
 /// Appends `text` with the separators, the escape character and hash-tag braces percent-encoded.
 fn escape_into(out: &mut String, text: &str) {
     // All five are ASCII, so a byte scan finds them; most values have none and copy in one go.
-    if !text.bytes().any(|b| NEEDS_ESCAPE[usize::from(b)]) {
+    if !needs_escape(text) {
         out.push_str(text);
         return;
     }

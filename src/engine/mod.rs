@@ -155,6 +155,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     }
     let is_replaced = |name: Option<&str>| name.is_some_and(|name| replaced.contains(&name));
 
+    let namespace = key::Namespace::new(keys, &request.domain);
     let mut plan = Plan {
         checks: Vec::with_capacity(limit_count),
         limits: Vec::with_capacity(limit_count),
@@ -171,10 +172,8 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                 return;
             }
             plan.checks.push(Check {
-                key: key::encode(
-                    keys,
+                key: namespace.encode(
                     planned.layer.unwrap_or(DEFAULT_LAYER),
-                    &request.domain,
                     &planned.limit,
                     &entries,
                 ),
