@@ -113,7 +113,7 @@ impl WireDecode for RateLimitResponse {}
 /// # Errors
 /// prost's, when the bytes are not a `RateLimitRequest`.
 pub fn decode_request(bytes: &[u8]) -> Result<RateLimitRequest, prost::DecodeError> {
-    decode::request(bytes).map_or_else(|| RateLimitRequest::decode(bytes), Ok)
+    RateLimitRequest::decode_wire(bytes).map_or_else(|| RateLimitRequest::decode(bytes), Ok)
 }
 
 /// A message as the service's codec writes it.

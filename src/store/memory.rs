@@ -4,10 +4,10 @@
 //! overlapping keys can never deadlock), evaluates all checks, and commits only if all pass.
 
 use std::hash::BuildHasher;
-
-use hashbrown::HashTable;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use hashbrown::HashTable;
 
 use crate::algorithm::{self, State, Update};
 use crate::clock::{Clock, SystemClock};
@@ -37,8 +37,16 @@ struct Shard {
 
 impl Shard {
     fn get(&self, hash: u64, key: &str) -> Option<&Entry> {
-        self.entries.find(hash, |entry| *entry.key == *key)
+        self.entries.find(hash, is_entry_of(key))
     }
+
+    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut Entry> {
+        self.entries.find_mut(hash, is_entry_of(key))
+    }
+}
+
+fn is_entry_of(key: &str) -> impl Fn(&Entry) -> bool + '_ {
+    move |entry| *entry.key == *key
 }
 
 /// A check's key hash and the shard it selects.
@@ -233,14 +241,14 @@ impl<C: Clock> MemoryStore<C> {
                 continue;
             };
             let expires_at = now.saturating_add(ttl_us);
-            let entries = &mut guards[guard_of(at.shard)].1.entries;
-            match entries.find_mut(at.hash, |entry| *entry.key == *check.key) {
+            let shard = &mut guards[guard_of(at.shard)].1;
+            match shard.get_mut(at.hash, &check.key) {
                 Some(entry) => {
                     entry.state = state;
                     entry.expires_at = expires_at;
                 }
                 None => {
-                    entries.insert_unique(
+                    shard.entries.insert_unique(
                         at.hash,
                         Entry {
                             key: check.key.as_str().into(),
