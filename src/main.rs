@@ -400,7 +400,12 @@ async fn serve_with<S: Store>(
         Some(_) => "on",
     };
     let threads = serving_threads(args);
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
+    // The bound addresses, not the requested ones: with port 0 the log is where the port is found.
+    let (grpc_addr, http_addr) = (
+        listeners.grpc.local_addr().unwrap_or(args.grpc_addr),
+        listeners.http.local_addr().unwrap_or(args.http_addr),
+    );
+    tracing::info!(grpc = %grpc_addr, http = %http_addr, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
     server::run_with(
         limiter,
         config,

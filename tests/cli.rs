@@ -1,18 +1,11 @@
 //! The `rlsd` binary: `check`, and `serve` refusing bad configs and stopping on SIGTERM.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::time::Duration;
 
 const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("free port")
-        .port()
-}
 
 #[test]
 fn check_prints_the_limits_of_the_examples() {
@@ -137,8 +130,8 @@ fn serve_refuses_a_redis_ca_it_cannot_apply_or_read() {
     assert!(stderr.contains(&expected), "{stderr}");
 }
 
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+fn http_get(address: SocketAddr, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(address).ok()?;
     write!(
         stream,
         "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
@@ -149,108 +142,53 @@ fn http_get(port: u16, path: &str) -> Option<String> {
     Some(response)
 }
 
+#[path = "common/process.rs"]
+mod process;
+#[path = "common/redis.rs"]
+mod redis_server;
+
+use process::Rlsd;
+
 #[test]
 fn serve_answers_health_and_stops_cleanly_on_sigterm() {
-    let (grpc, http) = (free_port(), free_port());
-    let mut child = Command::new(RLSD)
-        .args(["serve", "--config", "examples/three-layer.yaml"])
-        .env("RLSD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
-        .env("RLSD_HTTP_ADDR", format!("127.0.0.1:{http}"))
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let health = loop {
-        if let Some(response) = http_get(http, "/healthcheck") {
-            break response;
-        }
-        assert!(Instant::now() < deadline, "rlsd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut rlsd = Rlsd::serve(["--config", "examples/three-layer.yaml"]);
+    let health = http_get(rlsd.http, "/healthcheck").expect("healthcheck");
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     assert!(health.ends_with("OK"), "{health}");
-    let rlconfig = http_get(http, "/rlconfig").expect("rlconfig");
+    let rlconfig = http_get(rlsd.http, "/rlconfig").expect("rlconfig");
     assert!(
         rlconfig.contains("edge-proxy.remote_address: 1000 per minute"),
         "{rlconfig}"
     );
-    assert!(
-        TcpStream::connect(("127.0.0.1", grpc)).is_ok(),
-        "grpc port is open"
-    );
+    assert!(TcpStream::connect(rlsd.grpc).is_ok(), "grpc port is open");
 
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "rlsd did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = rlsd.terminate(Duration::from_secs(10));
     assert!(status.success(), "exit status {status:?}");
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut stderr)
-        .expect("read");
-    assert!(stderr.contains("SIGTERM received"), "{stderr}");
+    let log = rlsd.log();
+    assert!(log.contains("SIGTERM received"), "{log}");
 }
-
-#[path = "common/redis.rs"]
-mod redis_server;
 
 #[test]
 fn serve_with_redis_url_loads_the_script_at_start() {
     let redis = redis_server::RedisServer::start();
-    let (grpc, http) = (free_port(), free_port());
-    let mut child = Command::new(RLSD)
-        .args([
-            "serve",
-            "--config",
-            "examples/three-layer.yaml",
-            "--redis-url",
-            &redis.url(),
-        ])
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-addr",
-            &format!("127.0.0.1:{http}"),
-        ])
-        .args(["--key-prefix", "cli-test"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while http_get(http, "/healthcheck").is_none() {
-        assert!(Instant::now() < deadline, "rlsd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let url = redis.url();
+    let mut rlsd = Rlsd::serve([
+        "--config",
+        "examples/three-layer.yaml",
+        "--redis-url",
+        &url,
+        "--key-prefix",
+        "cli-test",
+    ]);
     // The script was loaded at start.
     let sha_loaded = redis
         .cli(&["SCRIPT", "EXISTS", &script_sha()])
         .expect("script exists");
     assert_eq!(sha_loaded, "1");
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let status = child.wait().expect("wait");
+    let status = rlsd.terminate(Duration::from_secs(10));
     assert!(status.success(), "{status:?}");
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut stderr)
-        .expect("read");
-    assert!(stderr.contains("store=\"redis\""), "{stderr}");
+    let log = rlsd.log();
+    assert!(log.contains("store=\"redis\""), "{log}");
 }
 
 fn script_sha() -> String {
@@ -263,52 +201,35 @@ fn script_sha() -> String {
 
 #[test]
 fn json_logs_are_one_object_per_line_and_report_the_worker_threads() {
-    let (grpc, http) = (free_port(), free_port());
-    let mut child = Command::new(RLSD)
-        .args([
-            "serve",
-            "--config",
-            "examples/three-layer.yaml",
-            "--log-format",
-            "json",
-            "--worker-threads",
-            "3",
-        ])
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-addr",
-            &format!("127.0.0.1:{http}"),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while http_get(http, "/healthcheck").is_none() {
-        assert!(Instant::now() < deadline, "rlsd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
+    let mut rlsd = Rlsd::serve([
+        "--config",
+        "examples/three-layer.yaml",
+        "--log-format",
+        "json",
+        "--worker-threads",
+        "3",
+    ]);
+    // Each serving thread is a lane of its own (in process, as here). The lanes start just after
+    // the "serving" line, so count until three appear or the deadline passes.
+    let count_lanes = || {
+        std::fs::read_dir(format!("/proc/{}/task", rlsd.id()))
+            .expect("the process's threads")
+            .flatten()
+            .filter(|task| {
+                std::fs::read_to_string(task.path().join("comm"))
+                    .is_ok_and(|name| name.starts_with("rlsd-lane-"))
+            })
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut lanes = count_lanes();
+    while lanes < 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        lanes = count_lanes();
     }
-    // Each serving thread is a lane of its own (in process, as here).
-    let lanes = std::fs::read_dir(format!("/proc/{}/task", child.id()))
-        .expect("the process's threads")
-        .flatten()
-        .filter(|task| {
-            std::fs::read_to_string(task.path().join("comm"))
-                .is_ok_and(|name| name.starts_with("rlsd-lane-"))
-        })
-        .count();
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    assert!(child.wait().expect("wait").success());
+    assert!(rlsd.terminate(Duration::from_secs(10)).success());
     assert_eq!(lanes, 3, "threads named rlsd-lane-*");
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut stderr)
-        .expect("read");
+    let stderr = rlsd.log();
     let lines: Vec<serde_json::Value> = stderr
         .lines()
         .map(|line| {

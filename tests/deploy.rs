@@ -14,11 +14,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::bootstrap::v3 as bootstrap;
 use envoy_types::pb::envoy::config::cluster::v3 as cluster;
@@ -3278,25 +3278,10 @@ fn check_dashboard_shape(file: &str, d: &Value) {
 
 // === A real rlsd =================================================================================
 
-/// A running `rlsd serve`, killed on drop.
-struct Rlsd {
-    child: Child,
-    grpc: SocketAddr,
-    http: SocketAddr,
-}
+#[path = "common/process.rs"]
+mod process;
 
-impl Drop for Rlsd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-}
+use process::Rlsd;
 
 async fn http_get(addr: SocketAddr, target: &str) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -3317,41 +3302,18 @@ async fn http_get(addr: SocketAddr, target: &str) -> std::io::Result<(u16, Strin
     Ok((status, body.to_owned()))
 }
 
-impl Rlsd {
-    async fn start(extra: &[&str]) -> Rlsd {
-        let (grpc, http) = (free_port(), free_port());
-        let mut command = Command::new(env!("CARGO_BIN_EXE_rlsd"));
-        clear_rlsd_env(&mut command);
-        let config = path(EXAMPLE);
-        command
-            .arg("serve")
-            .arg("--config")
-            .arg(&config)
-            .args([
-                "--grpc-addr",
-                &grpc.to_string(),
-                "--http-addr",
-                &http.to_string(),
-            ])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let child = command.spawn().expect("rlsd starts");
-        let mut rlsd = Rlsd { child, grpc, http };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = rlsd.child.try_wait().expect("child status") {
-                panic!("rlsd exited at start: {status}");
-            }
-            if let Ok((200, body)) = http_get(http, "/healthcheck").await {
-                assert_eq!(body.trim(), "OK");
-                return rlsd;
-            }
-            assert!(Instant::now() < deadline, "rlsd did not become healthy");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+/// `rlsd serve` on the example config with `extra` flags, healthy.
+async fn start_rlsd(extra: &[&str]) -> Rlsd {
+    let config = path(EXAMPLE);
+    let args = ["--config".as_ref(), config.as_os_str()]
+        .into_iter()
+        .chain(extra.iter().map(|arg| arg.as_ref()));
+    let rlsd = Rlsd::serve(args.collect::<Vec<&std::ffi::OsStr>>());
+    let (status, body) = http_get(rlsd.http, "/healthcheck")
+        .await
+        .expect("healthcheck");
+    assert_eq!((status, body.trim()), (200, "OK"), "{}", rlsd.log());
+    rlsd
 }
 
 fn descriptor_of(entries: &[(String, String)]) -> rlsd::pb::RateLimitDescriptor {
@@ -3382,7 +3344,7 @@ fn exposition_types(text: &str) -> BTreeMap<String, String> {
 async fn the_dashboard_and_probes_match_a_running_rlsd() {
     // Three keys at most: the first request (three descriptors) fits, the second needs three
     // more and is refused, so the store-error and failure-mode series exist too.
-    let rlsd = Rlsd::start(&["--max-keys", "3", "--headers", "off"]).await;
+    let rlsd = start_rlsd(&["--max-keys", "3", "--headers", "off"]).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", rlsd.grpc))
         .expect("endpoint")
         .connect()

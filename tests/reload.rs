@@ -4,15 +4,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-
 use std::time::{Duration, Instant};
 
+use common::process::Rlsd;
 use common::{descriptor, http_get, request};
 use rlsd::pb::RateLimitServiceClient;
 use tonic::transport::Channel;
-
-const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
 
 fn config(limit: u32) -> String {
     format!(
@@ -20,57 +17,20 @@ fn config(limit: u32) -> String {
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
-}
-
-struct Running {
-    child: Child,
-    grpc: u16,
-    http: u16,
-    log: tempfile::NamedTempFile,
-}
+/// rlsd serving a config with the given extra flags.
+struct Running(Rlsd);
 
 impl Running {
     async fn start(config_path: &Path, extra: &[&str]) -> Running {
-        let (grpc, http) = (free_port(), free_port());
-        let log = tempfile::NamedTempFile::new().expect("log file");
-        let child = Command::new(RLSD)
-            .arg("serve")
-            .arg("--config")
-            .arg(config_path)
-            .args([
-                "--grpc-addr",
-                &format!("127.0.0.1:{grpc}"),
-                "--http-addr",
-                &format!("127.0.0.1:{http}"),
-            ])
-            .args(extra)
-            .stderr(Stdio::from(log.reopen().expect("log file")))
-            .spawn()
-            .expect("spawn rlsd");
-        let running = Running {
-            child,
-            grpc,
-            http,
-            log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(("127.0.0.1", http))
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "rlsd did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        running
+        let config = config_path.as_os_str();
+        let args = ["--config".as_ref(), config]
+            .into_iter()
+            .chain(extra.iter().map(|arg| arg.as_ref()));
+        Running(Rlsd::serve(args.collect::<Vec<&std::ffi::OsStr>>()))
     }
 
     async fn client(&self) -> RateLimitServiceClient<Channel> {
-        RateLimitServiceClient::connect(format!("http://127.0.0.1:{}", self.grpc))
+        RateLimitServiceClient::connect(format!("http://{}", self.0.grpc))
             .await
             .expect("connect")
     }
@@ -87,9 +47,7 @@ impl Running {
     }
 
     async fn rlconfig(&self) -> String {
-        http_get(([127, 0, 0, 1], self.http).into(), "/rlconfig")
-            .await
-            .1
+        http_get(self.0.http, "/rlconfig").await.1
     }
 
     async fn wait_for_config(&self, needle: &str) {
@@ -101,29 +59,18 @@ impl Running {
     }
 
     async fn metric(&self, name: &str) -> f64 {
-        let (_, body) = http_get(([127, 0, 0, 1], self.http).into(), "/metrics").await;
+        let (_, body) = http_get(self.0.http, "/metrics").await;
         body.lines()
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or(0.0)
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.log.path()).expect("read log")
+        self.0.log()
     }
 
     fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.0.signal(signal);
     }
 }
 

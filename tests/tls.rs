@@ -5,10 +5,9 @@
 
 mod common;
 
-use std::io::Read;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -764,22 +763,7 @@ async fn a_bad_redis_ca_is_a_config_error_naming_the_file() {
 
 const RLSD: &str = env!("CARGO_BIN_EXE_rlsd");
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("free port")
-        .port()
-}
-
-/// The `rlsd` binary as a child process; killed when dropped.
-struct Binary(Child);
-
-impl Drop for Binary {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::process::Rlsd;
 
 #[test]
 fn serve_refuses_to_start_on_invalid_tls_files() {
@@ -788,8 +772,7 @@ fn serve_refuses_to_start_on_invalid_tls_files() {
     std::fs::write(&garbage, "nothing").expect("write");
     let output = Command::new(RLSD)
         .args(["serve", "--config", "examples/three-layer.yaml"])
-        .args(["--grpc-addr", &format!("127.0.0.1:{}", free_port())])
-        .args(["--http-addr", &format!("127.0.0.1:{}", free_port())])
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
         .arg("--tls-cert")
         .arg(&garbage)
         .arg("--tls-key")
@@ -819,48 +802,32 @@ async fn the_binary_serves_mutual_tls_on_a_redis_store_over_tls() {
     let ca = pki.ca("ca");
     let server_cert = pki.issue(&ca, "rlsd", Leaf::Server, 10);
     let envoy = pki.issue(&ca, "envoy", Leaf::Client, 11);
-    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-    let child = Command::new(RLSD)
-        .args(["serve", "--config", "examples/three-layer.yaml"])
-        .args(["--grpc-addr", &grpc.to_string()])
-        .args(["--http-addr", &format!("127.0.0.1:{}", free_port())])
-        .args([
-            "--key-prefix",
-            "tls-e2e",
-            "--redis-command-timeout-ms",
-            "2000",
-        ])
-        .arg("--tls-cert")
-        .arg(&server_cert.cert)
-        .arg("--tls-key")
-        .arg(&server_cert.key)
-        .arg("--tls-client-ca")
-        .arg(&ca.cert)
-        .arg("--redis-ca")
-        .arg(&redis_ca.cert)
-        .env("RLSD_REDIS_URL", redis.url())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn rlsd");
-    let mut child = Binary(child);
-
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut client = loop {
-        match tls_client(grpc, &ca, Some(&envoy)).await {
-            Ok(client) => break client,
-            Err(error) => {
-                if let Ok(Some(status)) = child.0.try_wait() {
-                    let mut stderr = String::new();
-                    if let Some(mut pipe) = child.0.stderr.take() {
-                        let _ = pipe.read_to_string(&mut stderr);
-                    }
-                    panic!("rlsd exited ({status}): {stderr}");
-                }
-                assert!(Instant::now() < deadline, "rlsd did not come up: {error:?}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
+    let url = redis.url();
+    let rlsd = Rlsd::serve_with(
+        [
+            "--config".as_ref(),
+            "examples/three-layer.yaml".as_ref(),
+            "--key-prefix".as_ref(),
+            "tls-e2e".as_ref(),
+            "--redis-command-timeout-ms".as_ref(),
+            "2000".as_ref(),
+            "--tls-cert".as_ref(),
+            server_cert.cert.as_os_str(),
+            "--tls-key".as_ref(),
+            server_cert.key.as_os_str(),
+            "--tls-client-ca".as_ref(),
+            ca.cert.as_os_str(),
+            "--redis-ca".as_ref(),
+            redis_ca.cert.as_os_str(),
+        ],
+        |command: &mut Command| {
+            command.env("RLSD_REDIS_URL", &url);
+        },
+    );
+    let grpc = rlsd.grpc;
+    let mut client = tls_client(grpc, &ca, Some(&envoy))
+        .await
+        .unwrap_or_else(|error| panic!("no TLS session: {error:?}\n{}", rlsd.log()));
     let response = client
         .should_rate_limit(request(
             "edge-proxy",
