@@ -729,7 +729,7 @@ struct Row {
 
 fn print_rows(rows: &[Row], shared_runtime: bool) {
     println!(
-        "| {:<30} | {:<10} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} |",
+        "| {:<30} | {:<10} | {:>9} | {:>7} | {:>7} | {:>7} | {:>7} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>13} | {:>13} | {:>22} |",
         "phase",
         "server",
         "req/s",
@@ -743,11 +743,12 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
         "wrong",
         "errors",
         "srv CPU µs/req",
-        "cli CPU µs/req"
+        "cli CPU µs/req",
+        "Redis CPU µs/req, /call"
     );
     println!(
-        "|{:-<32}|{:-<12}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|",
-        "", "", "", "", "", "", "", "", "", "", "", "", "", ""
+        "|{:-<32}|{:-<12}|{:->11}|{:->9}|{:->9}|{:->9}|{:->9}|{:->9}|{:->11}|{:->8}|{:->7}|{:->8}|{:->15}|{:->15}|{:->24}|",
+        "", "", "", "", "", "", "", "", "", "", "", "", "", "", ""
     );
     for row in rows {
         let r = &row.result;
@@ -761,13 +762,25 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
             }
         };
         let wall = r.wall.as_secs_f64();
+        // Redis's CPU, and requests per EVALSHA call: at moderate rates a call carries fewer
+        // requests, so Redis's cost per request, and how busy it is, rise as the rate falls.
+        let redis = if r.cpu.redis > 0.0 {
+            let calls = if r.cpu.evalsha >= 1.0 {
+                format!("{:.1}", n / r.cpu.evalsha)
+            } else {
+                "n/a".to_owned()
+            };
+            format!("{} {calls}", cpu_cell(r.cpu.redis, wall))
+        } else {
+            "-".to_owned()
+        };
         let lag = if r.lag_us.is_empty() {
             "-".to_owned()
         } else {
             format!("{:.3}", Phase::percentile(&r.lag_us, 0.99))
         };
         println!(
-            "| {:<30} | {:<10} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} |",
+            "| {:<30} | {:<10} | {:>9.0} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7.3} | {:>7} | {:>9} | {:>6} | {:>5} | {:>6} | {:>14} | {:>14} | {:>22} |",
             row.phase,
             row.server,
             r.rate(),
@@ -782,6 +795,7 @@ fn print_rows(rows: &[Row], shared_runtime: bool) {
             r.counts.errors,
             cpu_cell(r.cpu.server, wall),
             cpu_cell(r.cpu.client, wall),
+            redis,
         );
         if shared_runtime {
             println!("|   process CPU {:.1} µs/req", r.cpu.total * 1e6 / n);
