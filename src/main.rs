@@ -89,6 +89,10 @@ struct ServeArgs {
     /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
+    /// Also serve gRPC, plaintext, on this Unix domain socket (for an Envoy on the same host or
+    /// in the same pod: its cluster address is then `pipe: {path: ...}`).
+    #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET", value_name = "PATH")]
+    grpc_unix_socket: Option<PathBuf>,
     /// Most keys the in-process store holds; requests needing more get UNAVAILABLE.
     #[arg(long, env = "RLSD_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
     max_keys: usize,
@@ -293,6 +297,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let listeners = Listeners::bind(args.grpc_addr, args.http_addr)
             .await
             .with_context(|| format!("binding {} and {}", args.grpc_addr, args.http_addr))?;
+        let listeners = match &args.grpc_unix_socket {
+            None => listeners,
+            Some(path) => listeners
+                .with_grpc_unix(path)
+                .context("binding --grpc-unix-socket")?,
+        };
         let config = Arc::new(ArcSwap::from_pointee(loaded));
         let settings = ServiceSettings {
             keys: KeySettings {
@@ -405,7 +415,11 @@ async fn serve_with<S: Store>(
         listeners.grpc.local_addr().unwrap_or(args.grpc_addr),
         listeners.http.local_addr().unwrap_or(args.http_addr),
     );
-    tracing::info!(grpc = %grpc_addr, http = %http_addr, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
+    let grpc_unix = listeners
+        .grpc_unix
+        .as_ref()
+        .map(|socket| socket.path().display().to_string());
+    tracing::info!(grpc = %grpc_addr, http = %http_addr, grpc_unix, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
     server::run_with(
         limiter,
         config,

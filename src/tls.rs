@@ -437,7 +437,7 @@ pub(crate) async fn handshake(
 }
 
 /// Whether an accept error concerns only the one connection being accepted.
-fn per_connection(error: &io::Error) -> bool {
+pub(crate) fn per_connection(error: &io::Error) -> bool {
     matches!(
         error.kind(),
         io::ErrorKind::ConnectionAborted

@@ -2,8 +2,10 @@
 
 mod connection;
 mod lanes;
+mod unix;
 
 pub use connection::MAX_CONCURRENT_STREAMS;
+pub use unix::{UnixSocket, UnixSocketError};
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -56,6 +58,8 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// Admin HTTP: `/healthcheck`, `/metrics`, `/rlconfig` (8080 by default).
     pub http: TcpListener,
+    /// gRPC on a Unix domain socket as well, plaintext (TLS covers the TCP port only).
+    pub grpc_unix: Option<UnixSocket>,
 }
 
 impl Listeners {
@@ -67,7 +71,17 @@ impl Listeners {
         Ok(Listeners {
             grpc: TcpListener::bind(grpc).await?,
             http: TcpListener::bind(http).await?,
+            grpc_unix: None,
         })
+    }
+
+    /// Serves gRPC on the Unix socket at `path` too (see [`UnixSocket::bind`]).
+    ///
+    /// # Errors
+    /// When the socket cannot be bound.
+    pub fn with_grpc_unix(mut self, path: &std::path::Path) -> Result<Listeners, UnixSocketError> {
+        self.grpc_unix = Some(UnixSocket::bind(path)?);
+        Ok(self)
     }
 }
 
@@ -249,7 +263,7 @@ pub async fn run_with<S: Store>(
     };
     let grpc = serve_grpc(
         routes,
-        listeners.grpc,
+        (listeners.grpc, listeners.grpc_unix),
         options.tls.clone(),
         lanes,
         stopped(stop_rx.clone()),
@@ -312,13 +326,13 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
     }
 }
 
-/// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), on
-/// `lanes` or else on this runtime, until `signal`; then closes the listener, shuts each
-/// connection down gracefully, and returns when the last one has ended or `grace` has passed,
-/// whichever is first. The lanes stop when this returns.
+/// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), and
+/// plaintext on `unix` if there is one, on `lanes` or else on this runtime, until `signal`; then
+/// closes the listeners, shuts each connection down gracefully, and returns when the last one
+/// has ended or `grace` has passed, whichever is first. The lanes stop when this returns.
 async fn serve_grpc<S: Store>(
     routes: GrpcRoutes<S>,
-    listener: TcpListener,
+    (listener, unix): (TcpListener, Option<UnixSocket>),
     tls: Option<Arc<TlsSettings>>,
     lanes: Option<lanes::Lanes>,
     signal: impl Future<Output = ()>,
@@ -334,6 +348,9 @@ async fn serve_grpc<S: Store>(
                     (socket, peer) = crate::tls::accept(&listener) => {
                         hand_to_lane(lanes, socket, peer, tls.clone(), routes.clone(), closing_rx.clone());
                     }
+                    socket = unix::accept(unix.as_ref()) => {
+                        hand_unix_to_lane(lanes, socket, routes.clone(), closing_rx.clone());
+                    }
                 }
             }
             drop(listener);
@@ -343,6 +360,9 @@ async fn serve_grpc<S: Store>(
                 tokio::select! {
                     () = &mut signal => break,
                     (socket, _) = crate::tls::accept(&listener) => {
+                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
+                    }
+                    socket = unix::accept(unix.as_ref()) => {
                         tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
                     }
                 }
@@ -361,10 +381,15 @@ async fn serve_grpc<S: Store>(
                         }
                         None => break,
                     },
+                    socket = unix::accept(unix.as_ref()) => {
+                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
+                    }
                 }
             }
         }
     }
+    // The socket file goes with the listener: new clients fail at once instead of queueing.
+    drop(unix);
     let _ = closing.send(true);
     drop(closing_rx);
     if tokio::time::timeout(grace, closing.closed()).await.is_err() {
@@ -418,6 +443,28 @@ fn hand_to_lane<S: Store>(
                     connection::serve(tls_connection, routes, closing).await;
                 }
             }
+        }
+    });
+}
+
+/// Moves a connection accepted on the Unix socket to the next lane, as [`hand_to_lane`] does.
+fn hand_unix_to_lane<S: Store>(
+    lanes: &lanes::Lanes,
+    socket: tokio::net::UnixStream,
+    routes: GrpcRoutes<S>,
+    closing: tokio::sync::watch::Receiver<bool>,
+) {
+    let socket = match socket.into_std() {
+        Ok(socket) => socket,
+        Err(error) => {
+            tracing::debug!(%error, "cannot hand a unix connection to a lane");
+            return;
+        }
+    };
+    lanes.spawn(async move {
+        match tokio::net::UnixStream::from_std(socket) {
+            Ok(socket) => connection::serve(socket, routes, closing).await,
+            Err(error) => tracing::debug!(%error, "cannot register a unix connection on its lane"),
         }
     });
 }

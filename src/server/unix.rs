@@ -1,0 +1,110 @@
+//! gRPC on a Unix domain socket, for an Envoy on the same host or in the same pod: no TCP stack
+//! on either side of each call (Envoy's cluster address is then a `pipe`).
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::net::{UnixListener, UnixStream};
+
+/// Why a Unix socket could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum UnixSocketError {
+    /// Another process accepts connections on the path.
+    #[error("{0}: another process is serving on this socket")]
+    InUse(PathBuf),
+    /// The path holds a file that is not a socket; rlsd never deletes one.
+    #[error("{0}: exists and is not a socket (remove it or choose another path)")]
+    NotASocket(PathBuf),
+    /// Binding, or clearing a stale socket, failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The socket's path.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// A listening Unix socket; its file is removed when this is dropped, if it is still the one
+/// rlsd bound.
+#[derive(Debug)]
+pub struct UnixSocket {
+    listener: UnixListener,
+    path: PathBuf,
+    /// Device and inode of the socket file rlsd created, so a file another process put at the
+    /// path since is never removed.
+    identity: (u64, u64),
+}
+
+impl UnixSocket {
+    /// Binds `path`. A socket file left by a process that died (nothing accepts on it) is
+    /// replaced; a live socket or any other kind of file is an error and is left alone.
+    ///
+    /// # Errors
+    /// See [`UnixSocketError`].
+    pub fn bind(path: &Path) -> Result<UnixSocket, UnixSocketError> {
+        let io_error = |source| UnixSocketError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        match std::fs::symlink_metadata(path) {
+            Ok(metadata) if !metadata.file_type().is_socket() => {
+                return Err(UnixSocketError::NotASocket(path.to_owned()));
+            }
+            Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => return Err(UnixSocketError::InUse(path.to_owned())),
+                Err(error) if error.kind() == io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(path).map_err(io_error)?;
+                }
+                Err(error) => return Err(io_error(error)),
+            },
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => return Err(io_error(error)),
+        }
+        let listener = UnixListener::bind(path).map_err(io_error)?;
+        let metadata = std::fs::symlink_metadata(path).map_err(io_error)?;
+        Ok(UnixSocket {
+            listener,
+            path: path.to_owned(),
+            identity: (metadata.dev(), metadata.ino()),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        let ours = std::fs::symlink_metadata(&self.path)
+            .is_ok_and(|metadata| (metadata.dev(), metadata.ino()) == self.identity);
+        if ours && let Err(error) = std::fs::remove_file(&self.path) {
+            tracing::debug!(path = %self.path.display(), %error, "cannot remove the unix socket");
+        }
+    }
+}
+
+/// The next connection on `socket`, or never when there is none; accept errors are logged and
+/// retried as on the TCP port.
+pub(crate) async fn accept(socket: Option<&UnixSocket>) -> UnixStream {
+    let Some(socket) = socket else {
+        return std::future::pending().await;
+    };
+    loop {
+        match socket.listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(error) if crate::tls::per_connection(&error) => {
+                tracing::debug!(%error, "unix socket accept failed");
+            }
+            Err(error) => {
+                tracing::warn!(%error, "unix socket accept failed; retrying shortly");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
