@@ -53,6 +53,9 @@
 //!      whole ms);
 //!    - `raw-open`, the lean client: it paces itself with `ppoll` and a 1 µs timer slack,
 //!      sending on `RLSD_BENCH_CONNECTIONS` connections round robin;
+//!
+//!    With `RLSD_BENCH_UNIX=1` every rlsd also listens on a Unix socket (`--grpc-unix-socket`)
+//!    and the lean client's phases reach it there; the rest stays on TCP.
 //! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape: `single`
 //!    with the tonic client, `raw-single` with the lean one.
 //!
@@ -293,6 +296,13 @@ async fn start_server<S: Store>(
         .await
         .expect("bind rlsd");
     let addr = listeners.grpc.local_addr().expect("rlsd address");
+    let listeners = if rawh2::unix_enabled() {
+        listeners
+            .with_grpc_unix(&rawh2::unix_path(addr))
+            .expect("bind rlsd's unix socket")
+    } else {
+        listeners
+    };
     tokio::spawn(async move {
         let options = ServeOptions {
             lanes,
@@ -1488,6 +1498,11 @@ fn main() {
          redis = Redis store, coalescing; redis-1 = Redis store, one EVALSHA per request"
     );
     println!("# CPU columns: µs of CPU per request (and % of one core over the phase)");
+    if rawh2::unix_enabled() {
+        println!(
+            "# RLSD_BENCH_UNIX=1: the lean client reaches every rlsd over a Unix socket (the baseline, tonic's clients and h2load over TCP)"
+        );
+    }
     if opts.extra {
         println!(
             "# extra servers: canned = replays rlsd's captured response (same bytes, no work); \

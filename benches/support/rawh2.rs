@@ -23,7 +23,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use prost::Message as _;
@@ -215,8 +217,86 @@ struct Stream {
     message: Vec<u8>,
 }
 
+/// `RLSD_BENCH_UNIX=1`: rlsd servers also listen on a Unix socket and the lean client uses it
+/// where one exists (the tonic baseline has none and stays on TCP).
+pub fn unix_enabled() -> bool {
+    std::env::var("RLSD_BENCH_UNIX").is_ok_and(|value| value == "1")
+}
+
+/// The Unix socket of the server whose TCP port is `addr`, one per bench process and server.
+pub fn unix_path(addr: SocketAddr) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "rlsd-bench-{}-{}.sock",
+        std::process::id(),
+        addr.port()
+    ))
+}
+
+/// The client's side of a connection: TCP, or the server's Unix socket.
+enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Socket {
+    fn connect(addr: SocketAddr) -> std::io::Result<Socket> {
+        let path = unix_path(addr);
+        if unix_enabled() && path.exists() {
+            return UnixStream::connect(path).map(Socket::Unix);
+        }
+        let socket = TcpStream::connect(addr)?;
+        socket.set_nodelay(true)?;
+        Ok(Socket::Tcp(socket))
+    }
+
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Socket::Tcp(socket) => socket.set_read_timeout(timeout),
+            Socket::Unix(socket) => socket.set_read_timeout(timeout),
+        }
+    }
+
+    fn set_nonblocking(&self, nonblocking: bool) -> std::io::Result<()> {
+        match self {
+            Socket::Tcp(socket) => socket.set_nonblocking(nonblocking),
+            Socket::Unix(socket) => socket.set_nonblocking(nonblocking),
+        }
+    }
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Socket::Tcp(socket) => socket.read(buf),
+            Socket::Unix(socket) => socket.read(buf),
+        }
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Socket::Tcp(socket) => socket.write(buf),
+            Socket::Unix(socket) => socket.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsRawFd for Socket {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Socket::Tcp(socket) => socket.as_raw_fd(),
+            Socket::Unix(socket) => socket.as_raw_fd(),
+        }
+    }
+}
+
 struct Connection {
-    socket: TcpStream,
+    socket: Socket,
     out: Vec<u8>,
     written: usize,
     input: Box<[u8]>,
@@ -231,8 +311,7 @@ struct Connection {
 
 impl Connection {
     fn open(addr: SocketAddr) -> Result<Connection, String> {
-        let socket = TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?;
-        socket.set_nodelay(true).map_err(|e| e.to_string())?;
+        let socket = Socket::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?;
         let mut connection = Connection {
             socket,
             out: Vec::with_capacity(1 << 16),
