@@ -114,8 +114,10 @@ impl RequestLimits {
     pub const DEFAULT_MAX_ENTRIES: usize = 32;
     /// Default `max_key_bytes`.
     pub const DEFAULT_MAX_KEY_BYTES: usize = 256;
-    /// Default `max_value_bytes`.
-    pub const DEFAULT_MAX_VALUE_BYTES: usize = 1024;
+    /// Default `max_value_bytes`: a descriptor value is often a request header or the `:path`,
+    /// and URLs of a few KiB are ordinary, so this admits what web servers accept (8 KiB request
+    /// lines) twice over.
+    pub const DEFAULT_MAX_VALUE_BYTES: usize = 16 * 1024;
     /// Default `max_hits_addend`.
     pub const DEFAULT_MAX_HITS_ADDEND: u64 = 1_000_000_000;
     /// Default `max_message_bytes` (64 KiB).

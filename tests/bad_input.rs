@@ -95,7 +95,7 @@ async fn default_limits_pass_at_the_bound_and_refuse_one_over() {
             max_descriptors: 64,
             max_entries: 32,
             max_key_bytes: 256,
-            max_value_bytes: 1024,
+            max_value_bytes: 16_384,
             max_hits_addend: 1_000_000_000,
             max_message_bytes: 65_536,
         }
@@ -135,18 +135,18 @@ async fn default_limits_pass_at_the_bound_and_refuse_one_over() {
     )
     .await;
 
-    // Value length, in bytes.
-    let value = "v".repeat(1024);
+    // Value length, in bytes: a long URL as Envoy sends `:path` passes.
+    let path = format!("/search?q={}", "v".repeat(16_384 - 10));
     passes(
         &server,
-        request("shop", vec![descriptor(&[("other", &value)])]),
-        "1024-byte value",
+        request("shop", vec![descriptor(&[("other", &path)])]),
+        "16 KiB :path value",
     )
     .await;
     invalid(
         &server,
-        after_ann(descriptor(&[("other", &format!("{value}é"))])),
-        "descriptor 1 entry 0 value is 1026 bytes; at most 1024 are allowed (--max-value-bytes)",
+        after_ann(descriptor(&[("other", &format!("{path}é"))])),
+        "descriptor 1 entry 0 value is 16386 bytes; at most 16384 are allowed (--max-value-bytes)",
     )
     .await;
 
