@@ -28,8 +28,8 @@ pub enum HeaderStyle {
     /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`, and `Retry-After`.
     #[default]
     XRatelimit,
-    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (envoyproxy/ratelimit's names),
-    /// and `Retry-After`.
+    /// `RateLimit-Limit` (the bare limit), `RateLimit-Remaining`, `RateLimit-Reset`, as
+    /// envoyproxy/ratelimit sends them, and `Retry-After`.
     Ratelimit,
     /// None: for when Envoy's own `enable_x_ratelimit_headers` is on, so headers never repeat.
     Off,
@@ -629,10 +629,16 @@ fn rate_limit_headers(
         raw_value: Vec::new(),
     };
     // Envoy's DRAFT_VERSION_03 form: the closest limit, then one policy per limit. Written into
-    // one buffer without `fmt`: this runs on every limited request.
-    let mut policy = String::with_capacity(16 + 24 * limited.len());
+    // one buffer without `fmt`: this runs on every limited request. envoyproxy/ratelimit's
+    // `RateLimit-Limit` is the bare number, and clients of it parse it as one.
+    let policies = if style == HeaderStyle::Ratelimit {
+        &[][..]
+    } else {
+        limited
+    };
+    let mut policy = String::with_capacity(16 + 24 * policies.len());
     push_decimal(&mut policy, u64::from(closest.requests_per_unit));
-    for r in limited {
+    for r in policies {
         policy.push_str(", ");
         push_decimal(&mut policy, u64::from(r.requests_per_unit));
         policy.push_str(";w=");

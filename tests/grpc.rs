@@ -417,6 +417,25 @@ async fn header_names_are_configurable_and_can_be_off() {
 }
 
 #[tokio::test]
+async fn ratelimit_style_headers_carry_envoyproxy_ratelimits_values() {
+    let server = TestServer::start_with(LIMITS, HeaderStyle::Ratelimit, 100).await;
+    server.clock.set(T0 + 30_000_000);
+    let req = request(
+        "shop",
+        vec![
+            descriptor(&[("bucket", "b")]),
+            descriptor(&[("user", "ann")]),
+        ],
+    );
+    let response = ask(&server, req).await.expect("answer");
+    // The closest status (user: 2 left of 3/min), its limit as a bare number as theirs sends it.
+    assert_eq!(header(&response, "ratelimit-limit"), Some("3"));
+    assert_eq!(header(&response, "ratelimit-remaining"), Some("2"));
+    assert_eq!(header(&response, "ratelimit-reset"), Some("30"));
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn headers_follow_the_most_restrictive_status() {
     let server = TestServer::start(LIMITS).await;
     server.clock.set(T0 + 30_000_000);
