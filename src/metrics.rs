@@ -249,16 +249,15 @@ impl Metrics {
     }
 
     /// Counts one limit's decision, as envoyproxy/ratelimit does: every hit in `total_hits`, and
-    /// each in `over_limit`, or `within_limit` (and `near_limit` above the ratio); shadow limits
-    /// that would deny count in `shadow_mode` and `over_limit`.
+    /// each in `over_limit`, or `within_limit` (and `near_limit` for the hits above the ratio);
+    /// shadow limits that would deny count in `shadow_mode` and `over_limit`.
     pub fn record_limit(&self, counters: &LimitCounters, result: LimitResult) {
         counters.total_hits.inc_by(result.hits);
         if result.allowed {
             counters.within_limit.inc_by(result.hits);
-            let used = result.limit.saturating_sub(result.remaining) as f64;
-            if used >= self.near_limit_ratio * result.limit as f64 {
-                counters.near_limit.inc_by(result.hits);
-            }
+            counters
+                .near_limit
+                .inc_by(near_limit_hits(&result, self.near_limit_ratio));
         } else {
             counters.over_limit.inc_by(result.hits);
             if result.shadow {
@@ -282,6 +281,21 @@ impl Metrics {
     }
 }
 
+/// The allowed hits that took usage past `floor(ratio x L)`: all of them when usage was already
+/// there, else only those past it. envoyproxy/ratelimit's rule, so dashboards read the same.
+fn near_limit_hits(result: &LimitResult, ratio: f64) -> u64 {
+    let threshold = (ratio * result.limit as f64).floor() as u64;
+    let used_after = result.limit.saturating_sub(result.remaining);
+    let used_before = used_after.saturating_sub(result.hits);
+    if used_after <= threshold {
+        0
+    } else if used_before >= threshold {
+        result.hits
+    } else {
+        used_after - threshold
+    }
+}
+
 /// Handles by domain, hashed with foldhash (cheaper than SipHash on the request path). Only
 /// configured domains get here; the paths inside keep SipHash, because `detailed_metric` paths
 /// carry request values and so are inserted by clients.
@@ -289,3 +303,32 @@ type LimitMap<V> = HashMap<String, V, foldhash::fast::RandomState>;
 
 /// A shared handle.
 pub type SharedMetrics = Arc<Metrics>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn near(limit: u64, used_before: u64, hits: u64) -> u64 {
+        let result = LimitResult {
+            hits,
+            allowed: true,
+            shadow: false,
+            limit,
+            remaining: limit - used_before - hits,
+        };
+        near_limit_hits(&result, DEFAULT_NEAR_LIMIT_RATIO)
+    }
+
+    #[test]
+    fn near_limit_counts_the_hits_past_the_floor_of_the_ratio() {
+        // L = 10: the threshold is 8, so single hits 9 and 10 are near the limit, 8 is not.
+        let singles: Vec<u64> = (0..10).map(|before| near(10, before, 1)).collect();
+        assert_eq!(singles, [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+        // From 6 to 10 in one request of 4: only the 2 hits past 8.
+        assert_eq!(near(10, 6, 4), 2);
+        // Already past the threshold: every hit.
+        assert_eq!(near(10, 8, 2), 2);
+        // L = 3: floor(2.4) = 2, so only the third hit.
+        assert_eq!([near(3, 0, 1), near(3, 1, 1), near(3, 2, 1)], [0, 0, 1]);
+    }
+}
