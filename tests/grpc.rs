@@ -417,44 +417,33 @@ async fn header_names_are_configurable_and_can_be_off() {
 }
 
 #[tokio::test]
-async fn ratelimit_style_headers_carry_envoyproxy_ratelimits_values() {
-    let server = TestServer::start_with(LIMITS, HeaderStyle::Ratelimit, 100).await;
-    server.clock.set(T0 + 30_000_000);
-    let req = request(
-        "shop",
-        vec![
-            descriptor(&[("bucket", "b")]),
-            descriptor(&[("user", "ann")]),
-        ],
-    );
-    let response = ask(&server, req).await.expect("answer");
-    // The closest status (user: 2 left of 3/min), its limit as a bare number as theirs sends it.
-    assert_eq!(header(&response, "ratelimit-limit"), Some("3"));
-    assert_eq!(header(&response, "ratelimit-remaining"), Some("2"));
-    assert_eq!(header(&response, "ratelimit-reset"), Some("30"));
-    server.stop().await;
-}
-
-#[tokio::test]
 async fn headers_follow_the_most_restrictive_status() {
-    let server = TestServer::start(LIMITS).await;
-    server.clock.set(T0 + 30_000_000);
-    let req = request(
-        "shop",
-        vec![
-            descriptor(&[("bucket", "b")]),
-            descriptor(&[("user", "ann")]),
-        ],
-    );
-    let response = ask(&server, req).await.expect("answer");
-    // user has 2 left of 3/min, bucket 3 of 4: the user status is closest to its limit.
-    assert_eq!(header(&response, "x-ratelimit-remaining"), Some("2"));
-    assert_eq!(
-        header(&response, "x-ratelimit-limit"),
-        Some("3, 10;w=1, 3;w=60;name=\"per-user\"")
-    );
-    assert_eq!(header(&response, "x-ratelimit-reset"), Some("30"));
-    server.stop().await;
+    // user has 2 left of 3/min, bucket 3 of 4: the user status is closest to its limit. Envoy's
+    // form lists every policy; envoyproxy/ratelimit's sends the closest limit as a bare number.
+    for (style, prefix, limit) in [
+        (
+            HeaderStyle::XRatelimit,
+            "x-ratelimit-",
+            "3, 10;w=1, 3;w=60;name=\"per-user\"",
+        ),
+        (HeaderStyle::Ratelimit, "ratelimit-", "3"),
+    ] {
+        let server = TestServer::start_with(LIMITS, style, 100).await;
+        server.clock.set(T0 + 30_000_000);
+        let req = request(
+            "shop",
+            vec![
+                descriptor(&[("bucket", "b")]),
+                descriptor(&[("user", "ann")]),
+            ],
+        );
+        let response = ask(&server, req).await.expect("answer");
+        let named = |name: &str| header(&response, &format!("{prefix}{name}")).map(str::to_owned);
+        assert_eq!(named("remaining").as_deref(), Some("2"), "{style:?}");
+        assert_eq!(named("limit").as_deref(), Some(limit), "{style:?}");
+        assert_eq!(named("reset").as_deref(), Some("30"), "{style:?}");
+        server.stop().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
