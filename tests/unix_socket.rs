@@ -120,6 +120,19 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
     }
 }
 
+/// `rlsd serve` with `args` on free TCP ports, which must fail: its stderr.
+fn refused(args: Vec<std::ffi::OsString>) -> String {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"))
+        .arg("serve")
+        .args(args)
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .output()
+        .expect("run rlsd");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "rlsd started:\n{stderr}");
+    stderr
+}
+
 #[tokio::test]
 async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -154,14 +167,7 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
     assert_eq!(answer.statuses[0].limit_remaining, 24);
 
     // A second rlsd on the live socket is refused, and the first one keeps it.
-    let second = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"))
-        .arg("serve")
-        .args(serve_args(&socket))
-        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-        .output()
-        .expect("run a second rlsd");
-    assert!(!second.status.success());
-    let stderr = String::from_utf8_lossy(&second.stderr);
+    let stderr = refused(serve_args(&socket));
     assert!(
         stderr.contains("another process is serving on this socket"),
         "{stderr}"
@@ -176,14 +182,7 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
     // Any other kind of file is never deleted.
     let file = dir.path().join("notes.txt");
     std::fs::write(&file, "keep me").expect("write file");
-    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"))
-        .arg("serve")
-        .args(serve_args(&file))
-        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-        .output()
-        .expect("run rlsd on a file");
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let stderr = refused(serve_args(&file));
     assert!(stderr.contains("exists and is not a socket"), "{stderr}");
     assert!(stderr.contains("notes.txt"), "{stderr}");
     assert_eq!(std::fs::read_to_string(&file).expect("file"), "keep me");
