@@ -156,8 +156,8 @@ struct ServeArgs {
     /// (a health `Watch` stream never does) before rlsd exits anyway.
     #[arg(long, env = "RLSD_SHUTDOWN_GRACE_SECONDS", default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64())]
     shutdown_grace_seconds: f64,
-    /// Usage ratio above which allowed hits also count in `near_limit`.
-    #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO)]
+    /// Usage ratio (0 to 1) above which allowed hits also count in `near_limit`.
+    #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO, value_parser = ratio)]
     near_limit_ratio: f64,
     /// Serve gRPC over TLS with this PEM certificate chain (with `--tls-key`).
     #[arg(long, env = "RLSD_TLS_CERT", value_name = "PATH", requires = "tls_key")]
@@ -419,15 +419,9 @@ async fn serve_with<S: Store>(
         .grpc_unix
         .as_ref()
         .map(|socket| socket.path().display().to_string());
+    let stop = server::termination_signal();
     tracing::info!(grpc = %grpc_addr, http = %http_addr, grpc_unix, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
-    server::run_with(
-        limiter,
-        config,
-        listeners,
-        options,
-        server::termination_signal(),
-    )
-    .await?;
+    server::run_with(limiter, config, listeners, options, stop).await?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -463,6 +457,15 @@ fn serving_lanes(args: &ServeArgs) -> usize {
     match (&args.redis_url, args.redis_mode) {
         (Some(_), RedisMode::Cluster | RedisMode::Sentinel) => 0,
         _ => serving_threads(args),
+    }
+}
+
+/// Parses a ratio from 0 to 1 (NaN or a negative ratio would count every hit as near the limit).
+fn ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+        Ok(_) => Err("must be from 0 to 1".to_owned()),
+        Err(error) => Err(error.to_string()),
     }
 }
 

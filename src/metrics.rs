@@ -38,7 +38,7 @@ pub struct LimitResult {
     pub allowed: bool,
     /// Whether the limit is in shadow mode.
     pub shadow: bool,
-    /// L.
+    /// What `remaining` counts down from: L, or the burst B for token bucket and GCRA.
     pub limit: u64,
     /// What is left after the request.
     pub remaining: u64,
@@ -284,7 +284,8 @@ impl Metrics {
 /// The allowed hits that took usage past `floor(ratio x L)`: all of them when usage was already
 /// there, else only those past it. envoyproxy/ratelimit's rule, so dashboards read the same.
 fn near_limit_hits(result: &LimitResult, ratio: f64) -> u64 {
-    let threshold = (ratio * result.limit as f64).floor() as u64;
+    // In f32, as envoyproxy/ratelimit computes it (f64 gives floor(0.7 x 90) = 62, theirs 63).
+    let threshold = (result.limit as f32 * ratio as f32).floor() as u64;
     let used_after = result.limit.saturating_sub(result.remaining);
     let used_before = used_after.saturating_sub(result.hits);
     if used_after <= threshold {

@@ -244,7 +244,8 @@ impl<S: Store> RateLimiter<S> {
                     hits,
                     allowed: outcome.verdict.allowed,
                     shadow: check.shadow,
-                    limit: check.params.limit,
+                    // `remaining` counts against the burst for token bucket and GCRA.
+                    limit: check.params.capacity(),
                     remaining: outcome.verdict.remaining,
                 },
             );

@@ -92,6 +92,19 @@ fn serve_refuses_an_invalid_config_before_binding() {
     );
 }
 
+#[test]
+fn serve_refuses_a_near_limit_ratio_outside_0_to_1() {
+    for ratio in ["NaN", "-0.1", "1.5"] {
+        let flag = format!("--near-limit-ratio={ratio}");
+        let stderr = serve_refused(&[
+            "--config".as_ref(),
+            "examples/three-layer.yaml".as_ref(),
+            flag.as_ref(),
+        ]);
+        assert!(stderr.contains("must be from 0 to 1"), "{ratio}: {stderr}");
+    }
+}
+
 /// `--redis-ca` is refused where it would not apply (Sentinel), instead of leaving those
 /// connections on the public roots; for Cluster it is read, and a file without a certificate is
 /// an error that names it.

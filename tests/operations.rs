@@ -29,6 +29,8 @@ descriptors:
   - key: tenant
     detailed_metric: true
     rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: bucket
+    rate_limit: {unit: minute, requests_per_unit: 100, algorithm: token_bucket, burst: 10}
 "#;
 
 fn settings() -> ServiceSettings {
@@ -88,6 +90,13 @@ async fn metrics_after_traffic_have_exact_values() {
             "shadow never denies"
         );
     }
+    // The clock stands still, so the bucket's 10 tokens go one by one.
+    for _ in 0..10 {
+        client
+            .should_rate_limit(request("ops", vec![descriptor(&[("bucket", "b")])]))
+            .await
+            .expect("answer");
+    }
     let mut heavy = request("ops", vec![descriptor(&[("tenant", "acme")])]);
     heavy.hits_addend = 4;
     client.should_rate_limit(heavy).await.expect("answer");
@@ -113,10 +122,25 @@ async fn metrics_after_traffic_have_exact_values() {
         sample(&scrape, "ratelimit_service_rate_limit_over_limit", &user),
         Some(2.0)
     );
-    // Only the third request took usage to 3 of 3 (>= 80 %) while allowed.
+    // floor(0.8 x 3) = 2: only the third request took usage past it while allowed.
     assert_eq!(
         sample(&scrape, "ratelimit_service_rate_limit_near_limit", &user),
         Some(1.0)
+    );
+    // Near the limit counts against the burst for a token bucket: floor(0.8 x 10) = 8, so the
+    // 9th and 10th tokens, not every hit of a limit of 100.
+    let bucket = [("domain", "ops"), ("descriptor", "ops.bucket")];
+    assert_eq!(
+        sample(
+            &scrape,
+            "ratelimit_service_rate_limit_within_limit",
+            &bucket
+        ),
+        Some(10.0)
+    );
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_rate_limit_near_limit", &bucket),
+        Some(2.0)
     );
     let trial = [("domain", "ops"), ("descriptor", "ops.trial")];
     assert_eq!(
@@ -143,7 +167,7 @@ async fn metrics_after_traffic_have_exact_values() {
             "ratelimit_service_should_rate_limit_duration_seconds_count",
             &[]
         ),
-        Some(9.0)
+        Some(19.0)
     );
     assert_eq!(
         sample(
@@ -151,7 +175,7 @@ async fn metrics_after_traffic_have_exact_values() {
             "rlsd_store_call_duration_seconds_count",
             &[("store", "memory")]
         ),
-        Some(8.0)
+        Some(18.0)
     );
     let _ = stop.send(());
     task.await.expect("server");

@@ -481,30 +481,31 @@ async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn termination_signal() {
-    let ctrl_c = async {
-        if let Err(error) = tokio::signal::ctrl_c().await {
-            tracing::error!(%error, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled: a signal that comes as soon as rlsd says it is serving must stop it
+/// gracefully, not kill it. Call it inside the runtime.
+pub fn termination_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let listen = |kind: SignalKind, name: &'static str| {
+        let installed = signal(kind);
+        async move {
+            match installed {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(error) => {
+                    tracing::error!(%error, "cannot listen for {name}");
+                    std::future::pending::<()>().await;
+                }
+            }
         }
     };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
+    let interrupt = listen(SignalKind::interrupt(), "SIGINT");
+    let terminate = listen(SignalKind::terminate(), "SIGTERM");
+    async move {
+        tokio::select! {
+            () = interrupt => tracing::info!("SIGINT received, stopping"),
+            () = terminate => tracing::info!("SIGTERM received, stopping"),
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => tracing::info!("SIGINT received, stopping"),
-        () = terminate => tracing::info!("SIGTERM received, stopping"),
     }
 }
