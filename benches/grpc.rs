@@ -298,7 +298,7 @@ async fn start_server<S: Store>(
     let addr = listeners.grpc.local_addr().expect("rlsd address");
     let listeners = if rawh2::unix_enabled() {
         listeners
-            .with_grpc_unix(&rawh2::unix_path(addr))
+            .with_grpc_unix(&rawh2::unix_path(addr), server::DEFAULT_SOCKET_MODE)
             .expect("bind rlsd's unix socket")
     } else {
         listeners

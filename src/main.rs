@@ -93,6 +93,9 @@ struct ServeArgs {
     /// in the same pod: its cluster address is then `pipe: {path: ...}`).
     #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET", value_name = "PATH")]
     grpc_unix_socket: Option<PathBuf>,
+    /// Permissions of the socket file, in octal (connecting needs write permission).
+    #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET_MODE", value_name = "OCTAL", default_value = "660", value_parser = octal_mode)]
+    grpc_unix_socket_mode: u32,
     /// Most keys the in-process store holds; requests needing more get UNAVAILABLE.
     #[arg(long, env = "RLSD_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
     max_keys: usize,
@@ -300,7 +303,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let listeners = match &args.grpc_unix_socket {
             None => listeners,
             Some(path) => listeners
-                .with_grpc_unix(path)
+                .with_grpc_unix(path, args.grpc_unix_socket_mode)
                 .context("binding --grpc-unix-socket")?,
         };
         let config = Arc::new(ArcSwap::from_pointee(loaded));
@@ -457,6 +460,15 @@ fn serving_lanes(args: &ServeArgs) -> usize {
     match (&args.redis_url, args.redis_mode) {
         (Some(_), RedisMode::Cluster | RedisMode::Sentinel) => 0,
         _ => serving_threads(args),
+    }
+}
+
+/// Parses file permissions in octal (`660`, `0600`).
+fn octal_mode(text: &str) -> Result<u32, String> {
+    match u32::from_str_radix(text, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        Ok(_) => Err("permissions go up to 777".to_owned()),
+        Err(error) => Err(format!("not an octal mode: {error}")),
     }
 }
 

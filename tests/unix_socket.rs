@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -72,7 +73,7 @@ async fn serve(
     let listeners = Listeners::bind(loopback, loopback)
         .await
         .expect("bind")
-        .with_grpc_unix(socket)
+        .with_grpc_unix(socket, server::DEFAULT_SOCKET_MODE)
         .expect("bind the unix socket");
     let grpc = listeners.grpc.local_addr().expect("grpc address");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -96,6 +97,12 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
         let dir = tempfile::tempdir().expect("temp dir");
         let socket = dir.path().join("rlsd.sock");
         let (grpc, stop, task) = serve(&socket, lanes).await;
+        let mode = std::fs::metadata(&socket)
+            .expect("socket")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o660, "owner and group may connect");
         // Four connections over the socket and two over TCP, 40 requests on a limit of 25.
         let mut clients = Vec::new();
         for _ in 0..4 {
@@ -120,16 +127,37 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
     }
 }
 
-/// `rlsd serve` with `args` on free TCP ports, which must fail: its stderr.
+/// `rlsd serve` with `args` on free TCP ports, which must fail: its stderr. Should it start
+/// after all, the test fails instead of waiting on it.
 fn refused(args: Vec<std::ffi::OsString>) -> String {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"))
+    let log = tempfile::NamedTempFile::new().expect("a log file");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("RLSD_") {
+            command.env_remove(name);
+        }
+    }
+    let mut child = command
         .arg("serve")
         .args(args)
         .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-        .output()
+        .stderr(log.reopen().expect("the log file"))
+        .spawn()
         .expect("run rlsd");
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(!output.status.success(), "rlsd started:\n{stderr}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("child status") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("rlsd started and kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(log.path()).expect("the log");
+    assert!(!status.success(), "rlsd exited 0:\n{stderr}");
     stderr
 }
 
@@ -149,6 +177,8 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
             config.clone().into_os_string(),
             "--grpc-unix-socket".into(),
             socket.as_os_str().to_owned(),
+            "--grpc-unix-socket-mode".into(),
+            "600".into(),
         ]
     };
     let mut rlsd = Rlsd::serve(serve_args(&socket));
@@ -157,6 +187,12 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
         "the serving line names the socket:\n{}",
         rlsd.log()
     );
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "--grpc-unix-socket-mode");
     let mut client = unix_client(&socket).await;
     let answer = client
         .should_rate_limit(request("pipe", vec![descriptor(&[("user", "bo")])]))

@@ -5,7 +5,7 @@ mod lanes;
 mod unix;
 
 pub use connection::MAX_CONCURRENT_STREAMS;
-pub use unix::{UnixSocket, UnixSocketError};
+pub use unix::{DEFAULT_SOCKET_MODE, UnixSocket, UnixSocketError};
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -75,12 +75,17 @@ impl Listeners {
         })
     }
 
-    /// Serves gRPC on the Unix socket at `path` too (see [`UnixSocket::bind`]).
+    /// Serves gRPC on the Unix socket at `path` too, with permissions `mode` (see
+    /// [`UnixSocket::bind`]).
     ///
     /// # Errors
     /// When the socket cannot be bound.
-    pub fn with_grpc_unix(mut self, path: &std::path::Path) -> Result<Listeners, UnixSocketError> {
-        self.grpc_unix = Some(UnixSocket::bind(path)?);
+    pub fn with_grpc_unix(
+        mut self,
+        path: &std::path::Path,
+        mode: u32,
+    ) -> Result<Listeners, UnixSocketError> {
+        self.grpc_unix = Some(UnixSocket::bind(path, mode)?);
         Ok(self)
     }
 }

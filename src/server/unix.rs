@@ -2,7 +2,7 @@
 //! on either side of each call (Envoy's cluster address is then a `pipe`).
 
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -28,6 +28,10 @@ pub enum UnixSocketError {
     },
 }
 
+/// Default permissions of the socket file: owner and group may connect. In Kubernetes, a pod's
+/// `fsGroup` owns a shared `emptyDir` and is a group of every container, Envoy's included.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
+
 /// A listening Unix socket; its file is removed when this is dropped, if it is still the one
 /// rlsd bound.
 #[derive(Debug)]
@@ -40,12 +44,13 @@ pub struct UnixSocket {
 }
 
 impl UnixSocket {
-    /// Binds `path`. A socket file left by a process that died (nothing accepts on it) is
-    /// replaced; a live socket or any other kind of file is an error and is left alone.
+    /// Binds `path` with permissions `mode` (connecting needs write permission). A socket file
+    /// left by a process that died (nothing accepts on it) is replaced; a live socket or any
+    /// other kind of file is an error and is left alone.
     ///
     /// # Errors
     /// See [`UnixSocketError`].
-    pub fn bind(path: &Path) -> Result<UnixSocket, UnixSocketError> {
+    pub fn bind(path: &Path, mode: u32) -> Result<UnixSocket, UnixSocketError> {
         let io_error = |source| UnixSocketError::Io {
             path: path.to_owned(),
             source,
@@ -66,11 +71,14 @@ impl UnixSocket {
         }
         let listener = UnixListener::bind(path).map_err(io_error)?;
         let metadata = std::fs::symlink_metadata(path).map_err(io_error)?;
-        Ok(UnixSocket {
+        // Owned from here, so a failure below removes the file.
+        let socket = UnixSocket {
             listener,
             path: path.to_owned(),
             identity: (metadata.dev(), metadata.ino()),
-        })
+        };
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_error)?;
+        Ok(socket)
     }
 
     /// The socket's path.

@@ -130,10 +130,11 @@ impl Drop for Rlsd {
     }
 }
 
-/// The gRPC and HTTP addresses of the "serving" line, in the text or the JSON log format.
+/// The gRPC and HTTP addresses of the "serving" line, in the text or the JSON log format; only
+/// a whole line counts (one read mid-write could end inside a port number).
 fn serving_addresses(log: &str) -> Option<(SocketAddr, SocketAddr)> {
-    log.lines()
-        .filter(|line| line.contains("serving"))
+    log.split_inclusive('\n')
+        .filter(|line| line.ends_with('\n') && line.contains("serving"))
         .find_map(|line| Some((field(line, "grpc")?, field(line, "http")?)))
 }
 
