@@ -16,7 +16,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -620,9 +619,7 @@ struct Flag {
 fn serve_flags() -> &'static BTreeMap<String, Flag> {
     static FLAGS: OnceLock<BTreeMap<String, Flag>> = OnceLock::new();
     FLAGS.get_or_init(|| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_rlsd"));
-        clear_rlsd_env(&mut command);
-        let output = command
+        let output = process::command()
             .args(["serve", "--help"])
             .output()
             .expect("rlsd runs");
@@ -637,15 +634,6 @@ fn serve_flags() -> &'static BTreeMap<String, Flag> {
         }
         flags
     })
-}
-
-/// Keeps this environment's `RLSD_*` variables away from the child.
-fn clear_rlsd_env(command: &mut Command) {
-    for (key, _) in std::env::vars() {
-        if key.starts_with("RLSD_") {
-            command.env_remove(key);
-        }
-    }
 }
 
 fn parse_help(help: &str) -> BTreeMap<String, Flag> {

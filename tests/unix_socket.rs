@@ -131,13 +131,7 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
 /// after all, the test fails instead of waiting on it.
 fn refused(args: Vec<std::ffi::OsString>) -> String {
     let log = tempfile::NamedTempFile::new().expect("a log file");
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_rlsd"));
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("RLSD_") {
-            command.env_remove(name);
-        }
-    }
-    let mut child = command
+    let mut child = common::process::command()
         .arg("serve")
         .args(args)
         .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])

@@ -41,18 +41,13 @@ impl Rlsd {
         S: AsRef<std::ffi::OsStr>,
     {
         let log = tempfile::NamedTempFile::new().expect("a log file");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_rlsd"));
+        let mut command = command();
         command
             .arg("serve")
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log.reopen().expect("the log file")));
-        for (name, _) in std::env::vars_os() {
-            if name.to_string_lossy().starts_with("RLSD_") {
-                command.env_remove(name);
-            }
-        }
         command
             .env("RLSD_GRPC_ADDR", "127.0.0.1:0")
             .env("RLSD_HTTP_ADDR", "127.0.0.1:0");
@@ -128,6 +123,17 @@ impl Drop for Rlsd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The `rlsd` binary, with no `RLSD_*` variable of the test's own environment.
+pub fn command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rlsd"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("RLSD_") {
+            command.env_remove(name);
+        }
+    }
+    command
 }
 
 /// The gRPC and HTTP addresses of the "serving" line, in the text or the JSON log format; only
