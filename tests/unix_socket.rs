@@ -97,12 +97,7 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
         let dir = tempfile::tempdir().expect("temp dir");
         let socket = dir.path().join("rlsd.sock");
         let (grpc, stop, task) = serve(&socket, lanes).await;
-        let mode = std::fs::metadata(&socket)
-            .expect("socket")
-            .permissions()
-            .mode()
-            & 0o777;
-        assert_eq!(mode, 0o660, "owner and group may connect");
+        assert_eq!(mode_of(&socket), 0o660, "owner and group may connect");
         // Four connections over the socket and two over TCP, 40 requests on a limit of 25.
         let mut clients = Vec::new();
         for _ in 0..4 {
@@ -125,6 +120,26 @@ async fn the_unix_socket_and_the_tcp_port_share_one_exact_count_with_and_without
             "the socket file is removed at shutdown (lanes {lanes})"
         );
     }
+}
+
+/// The permission bits of the file at `path`.
+fn mode_of(path: &Path) -> u32 {
+    std::fs::metadata(path)
+        .expect("the socket file")
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+/// One request for user `bo`, which must be allowed: the remaining count.
+async fn remaining_for_bo(client: &mut RateLimitServiceClient<Channel>) -> u32 {
+    let answer = client
+        .should_rate_limit(request("pipe", vec![descriptor(&[("user", "bo")])]))
+        .await
+        .expect("an answer over the socket")
+        .into_inner();
+    assert_eq!(answer.overall_code, Code::Ok as i32);
+    answer.statuses[0].limit_remaining
 }
 
 /// `rlsd serve` with `args` on free TCP ports, which must fail: its stderr. Should it start
@@ -181,20 +196,9 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
         "the serving line names the socket:\n{}",
         rlsd.log()
     );
-    let mode = std::fs::metadata(&socket)
-        .expect("socket")
-        .permissions()
-        .mode()
-        & 0o777;
-    assert_eq!(mode, 0o600, "--grpc-unix-socket-mode");
+    assert_eq!(mode_of(&socket), 0o600, "--grpc-unix-socket-mode");
     let mut client = unix_client(&socket).await;
-    let answer = client
-        .should_rate_limit(request("pipe", vec![descriptor(&[("user", "bo")])]))
-        .await
-        .expect("an answer over the socket")
-        .into_inner();
-    assert_eq!(answer.overall_code, Code::Ok as i32);
-    assert_eq!(answer.statuses[0].limit_remaining, 24);
+    assert_eq!(remaining_for_bo(&mut client).await, 24);
 
     // A second rlsd on the live socket is refused, and the first one keeps it.
     let stderr = refused(serve_args(&socket));
@@ -202,12 +206,7 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
         stderr.contains("another process is serving on this socket"),
         "{stderr}"
     );
-    let answer = client
-        .should_rate_limit(request("pipe", vec![descriptor(&[("user", "bo")])]))
-        .await
-        .expect("still answering over the socket")
-        .into_inner();
-    assert_eq!(answer.statuses[0].limit_remaining, 23);
+    assert_eq!(remaining_for_bo(&mut client).await, 23, "still answering");
 
     // Any other kind of file is never deleted.
     let file = dir.path().join("notes.txt");
