@@ -220,18 +220,10 @@ impl<S: Store> RateLimiter<S> {
 
     /// Counts every check's decision under its limit's descriptor path.
     fn record(&self, request: &engine::Request, plan: &Plan<'_>, outcomes: &[Outcome]) {
-        for ((check, planned), (outcome, &descriptor)) in plan
-            .checks
-            .iter()
-            .zip(&plan.limits)
-            .zip(outcomes.iter().zip(&plan.descriptor_of))
-        {
-            let path: Cow<'_, str> = match (planned.path, planned.detailed) {
-                (Some(_), true) => {
-                    detailed_path(&request.domain, &request.descriptors[descriptor]).into()
-                }
-                (Some(path), false) => path.into(),
-                (None, _) => format!("{}.limit_override", request.domain).into(),
+        for ((check, planned), outcome) in plan.checks.iter().zip(&plan.limits).zip(outcomes) {
+            let path: Cow<'_, str> = match &planned.path {
+                Some(path) => Cow::Borrowed(path),
+                None => format!("{}.limit_override", request.domain).into(),
             };
             let counters = self.metrics.limit(&request.domain, &path);
             let hits = match check.hits {
@@ -333,18 +325,6 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         self.metrics.observe_request(started.elapsed());
         answer
     }
-}
-
-/// `domain.key_value.key_value` with the request's own values, for `detailed_metric` limits.
-fn detailed_path(domain: &str, descriptor: &Descriptor) -> String {
-    let mut path = domain.to_owned();
-    for (key, value) in &descriptor.entries {
-        path.push('.');
-        path.push_str(key);
-        path.push('_');
-        path.push_str(value);
-    }
-    path
 }
 
 /// Turns the wire request into the engine's, rejecting what Envoy would never send and what

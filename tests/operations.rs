@@ -429,3 +429,90 @@ async fn grpc_reflection_lists_the_services() {
     let _ = stop.send(());
     task.await.expect("server");
 }
+
+/// envoyproxy/ratelimit's `share_threshold` (every value a wildcard matches draws on one
+/// counter) and `value_to_metric` (a default node's metrics carry the value), over gRPC.
+#[tokio::test]
+async fn share_threshold_counts_matching_values_together_and_value_to_metric_labels_them() {
+    const SHARED: &str = r#"
+domain: files
+descriptors:
+  - key: path
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: path
+    value: own/*
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: user
+    value_to_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"#;
+    let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
+    let (grpc, http, stop, task, _) =
+        spawn_server_with(SHARED, store, settings(), ServeOptions::default()).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    let mut codes = Vec::new();
+    for path in [
+        "files/a.pdf",
+        "files/b.csv",
+        "files/c.txt",
+        "own/a",
+        "own/b",
+        "own/c",
+    ] {
+        let response = client
+            .should_rate_limit(request("files", vec![descriptor(&[("path", path)])]))
+            .await
+            .expect("answer")
+            .into_inner();
+        codes.push(Code::try_from(response.overall_code).expect("a code"));
+    }
+    // Two per minute for all of files/* together; each own/* value has two of its own.
+    assert_eq!(
+        codes,
+        [
+            Code::Ok,
+            Code::Ok,
+            Code::OverLimit,
+            Code::Ok,
+            Code::Ok,
+            Code::Ok
+        ]
+    );
+    for user in ["alice", "alice", "bob"] {
+        client
+            .should_rate_limit(request("files", vec![descriptor(&[("user", user)])]))
+            .await
+            .expect("answer");
+    }
+
+    let (status, body) = http_get(http, "/metrics").await;
+    assert_eq!(status, 200);
+    let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
+        .expect("valid exposition");
+    let hits = |path: &str| {
+        sample(
+            &scrape,
+            "ratelimit_service_rate_limit_total_hits",
+            &[("domain", "files"), ("descriptor", path)],
+        )
+    };
+    assert_eq!(hits("files.path_files/*"), Some(3.0));
+    assert_eq!(
+        sample(
+            &scrape,
+            "ratelimit_service_rate_limit_over_limit",
+            &[("domain", "files"), ("descriptor", "files.path_files/*")],
+        ),
+        Some(1.0)
+    );
+    assert_eq!(hits("files.path_own/*"), Some(3.0));
+    assert_eq!(hits("files.user_alice"), Some(2.0));
+    assert_eq!(hits("files.user_bob"), Some(1.0));
+    assert_eq!(hits("files.user"), None);
+    let _ = stop.send(());
+    task.await.expect("server");
+}

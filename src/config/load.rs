@@ -218,16 +218,20 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
         limit_names: HashSet::new(),
         replaces_refs: Vec::new(),
         layers: None,
+        shares_thresholds: false,
+        values_in_metrics: false,
     };
     let (domain, root, plans) = walker.file(&root);
     walker.check_replaces();
-    let mut errors = walker.errors;
+    let mut errors = std::mem::take(&mut walker.errors);
     let result = match (&domain, errors.is_empty()) {
         (Some((name, _)), true) => Ok(Domain {
             name: name.clone(),
             source: file.to_owned(),
             root,
             plans,
+            shares_thresholds: walker.shares_thresholds,
+            values_in_metrics: walker.values_in_metrics,
         }),
         _ => {
             errors.sort_by_key(|error| (error.line, error.column));
@@ -290,6 +294,8 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "rate_limits",
     "shadow_mode",
     "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
     "descriptors",
 ];
 /// Keys allowed in a rate limit.
@@ -364,6 +370,10 @@ struct Walker<'a> {
     limit_names: HashSet<String>,
     /// Every `replaces` name not already rejected, checked against `limit_names` at the end.
     replaces_refs: Vec<(String, Pos)>,
+    /// Some descriptor has `share_threshold: true`.
+    shares_thresholds: bool,
+    /// Some descriptor has `value_to_metric: true`.
+    values_in_metrics: bool,
     /// `layers:` as declared; when given, every `layer:` must be one of them.
     layers: Option<Vec<String>>,
 }
@@ -681,6 +691,28 @@ impl Walker<'_> {
         if let Some((_, flag)) = fields.get("detailed_metric") {
             node.detailed_metric = self.boolean("detailed_metric", flag).unwrap_or(false);
         }
+        if let Some((_, flag)) = fields.get("value_to_metric") {
+            node.value_to_metric = self.boolean("value_to_metric", flag).unwrap_or(false);
+            self.values_in_metrics |= node.value_to_metric;
+        }
+        if let Some((flag_key, flag)) = fields.get("share_threshold")
+            && self.boolean("share_threshold", flag) == Some(true)
+        {
+            match &value {
+                Some((value, _)) if value.contains('*') => {
+                    node.shared_value = Some(value.clone());
+                    self.shares_thresholds = true;
+                }
+                _ => self.error(
+                    flag_key.pos,
+                    format!(
+                        "share_threshold can only be used with wildcard values (containing '*'), \
+                         but found key '{}'",
+                        node.path
+                    ),
+                ),
+            }
+        }
         let shadow = fields
             .get("shadow_mode")
             .and_then(|(_, flag)| self.boolean("shadow_mode", flag))
@@ -981,7 +1013,15 @@ impl Walker<'_> {
     fn nothing_limited_only(&mut self, fields: &Fields<'_>) -> bool {
         let mut none = true;
         for key in LIMITED_ONLY_KEYS {
-            if let Some((key_node, _)) = fields.get(key) {
+            if let Some((key_node, value)) = fields.get(key) {
+                // envoyproxy/ratelimit reads an empty or UNKNOWN unit as no unit, and tools
+                // that write its files from structs emit `unit: ""`.
+                if *key == "unit"
+                    && matches!(&value.value, Value::Str(unit)
+                        if unit.is_empty() || unit.eq_ignore_ascii_case("unknown"))
+                {
+                    continue;
+                }
                 let reason = match *key {
                     "unit" => "should not specify rate limit unit when unlimited".to_owned(),
                     other => format!("should not specify {other} when unlimited"),

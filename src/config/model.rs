@@ -26,6 +26,10 @@ pub struct Domain {
     pub root: Level,
     /// `plans:`: the plan of each API key, for requests where Envoy cannot supply it.
     pub plans: Option<PlanTable>,
+    /// Some descriptor has `share_threshold: true`, so keys depend on the nodes walked through.
+    pub shares_thresholds: bool,
+    /// Some descriptor has `value_to_metric: true`, so metric paths depend on the request.
+    pub values_in_metrics: bool,
 }
 
 /// Maps an API key to its plan, so a descriptor `[api_key=K]` is matched as
@@ -118,6 +122,12 @@ pub struct Node {
     pub policy: Option<Policy>,
     /// `detailed_metric: true`: metrics carry the request's values.
     pub detailed_metric: bool,
+    /// `value_to_metric: true`: this entry's value goes into the metric path even when the
+    /// node matched it by wildcard or as the default.
+    pub value_to_metric: bool,
+    /// `share_threshold: true` on a wildcard: the pattern, which stands in for the value in
+    /// keys and metrics, so every value it matches shares one counter.
+    pub shared_value: Option<String>,
     /// The key namespace (`layer:`, inherited from the parent); `None` is the default layer.
     pub layer: Option<String>,
     /// Nested descriptors.

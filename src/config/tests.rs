@@ -718,6 +718,89 @@ fn unlimited_with_unit() {
 }
 
 #[test]
+fn unlimited_with_an_empty_or_unknown_unit_loads() {
+    // envoyproxy/ratelimit reads both as no unit; files written from Go structs carry `unit: ""`.
+    for unit in ["\"\"", "unknown", "UNKNOWN"] {
+        let domain = load(&format!(
+            "
+            domain: d
+            descriptors:
+              - key: k
+                rate_limit:
+                  unlimited: true
+                  unit: {unit}
+                  requests_per_unit: 0
+            "
+        ));
+        let node = domain.root.keys["k"].default.as_deref().expect("the node");
+        assert!(
+            matches!(node.policy, Some(Policy::Unlimited { .. })),
+            "unit {unit}: {:?}",
+            node.policy
+        );
+    }
+}
+
+#[test]
+fn share_threshold_and_value_to_metric_load() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: path
+            value: files/*
+            share_threshold: true
+            rate_limit: {unit: hour, requests_per_unit: 100}
+          - key: route
+            value_to_metric: true
+            descriptors:
+              - key: user
+                rate_limit: {unit: minute, requests_per_unit: 60}
+        ",
+    );
+    assert!(domain.shares_thresholds && domain.values_in_metrics);
+    let (wildcard, shared) = &domain.root.keys["path"].wildcards[0];
+    assert_eq!(wildcard.pattern, "files/*");
+    assert_eq!(shared.shared_value.as_deref(), Some("files/*"));
+    let route = domain.root.keys["route"].default.as_deref().expect("route");
+    assert!(route.value_to_metric && route.shared_value.is_none());
+    // Neither option: the domain says so, and matching takes the plain path.
+    let plain = load(
+        "
+        domain: d
+        descriptors:
+          - key: path
+            value: files/*
+            share_threshold: false
+            rate_limit: {unit: hour, requests_per_unit: 100}
+        ",
+    );
+    assert!(!plain.shares_thresholds && !plain.values_in_metrics);
+    assert_eq!(plain.root.keys["path"].wildcards[0].1.shared_value, None);
+}
+
+#[test]
+fn share_threshold_needs_a_wildcard_value() {
+    for value in ["", "value: files/a.pdf"] {
+        let yaml = format!(
+            "
+            domain: d
+            descriptors:
+              - key: path
+                {value}
+                share_threshold: true
+                rate_limit: {{unit: hour, requests_per_unit: 100}}
+            "
+        );
+        one_error(
+            &yaml,
+            5,
+            "share_threshold can only be used with wildcard values (containing '*')",
+        );
+    }
+}
+
+#[test]
 fn unlimited_with_other_limit_keys() {
     // Like envoyproxy/ratelimit, requests_per_unit is ignored and replaces allowed; keys that
     // only shape a counted limit are errors.

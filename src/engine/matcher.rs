@@ -11,12 +11,30 @@ where
     K: AsRef<str>,
     V: AsRef<str>,
 {
+    walk(root, entries, |_, _| {})
+}
+
+/// [`find`], telling `visit` the node each entry matched (by entry index), last one included;
+/// when the walk fails part way, the nodes visited so far have been told.
+pub fn walk<'c, K, V>(
+    root: &'c Level,
+    entries: &[(K, V)],
+    mut visit: impl FnMut(usize, &'c Node),
+) -> Option<&'c Node>
+where
+    K: AsRef<str>,
+    V: AsRef<str>,
+{
     let mut level = root;
     let (last, parents) = entries.split_last()?;
-    for (key, value) in parents {
-        level = &step(level, key.as_ref(), value.as_ref())?.children;
+    for (index, (key, value)) in parents.iter().enumerate() {
+        let node = step(level, key.as_ref(), value.as_ref())?;
+        visit(index, node);
+        level = &node.children;
     }
-    step(level, last.0.as_ref(), last.1.as_ref())
+    let node = step(level, last.0.as_ref(), last.1.as_ref())?;
+    visit(parents.len(), node);
+    Some(node)
 }
 
 fn step<'c>(level: &'c Level, key: &str, value: &str) -> Option<&'c Node> {

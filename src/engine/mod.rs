@@ -66,10 +66,10 @@ impl Default for KeySettings {
 pub struct PlannedLimit<'c> {
     /// The limit (reported as `current_limit`).
     pub limit: Cow<'c, Limit>,
-    /// Descriptor path for metrics (`domain.key_value...`), or `None` for an override.
-    pub path: Option<&'c str>,
-    /// `detailed_metric: true`: metrics are labelled with the request's own values.
-    pub detailed: bool,
+    /// Descriptor path for metrics (`domain.key_value...`), or `None` for an override: the
+    /// config's path, or built from the request's values for `detailed_metric` and
+    /// `value_to_metric` descriptors.
+    pub path: Option<Cow<'c, str>>,
     /// The node's layer; `None` is the default layer.
     pub layer: Option<&'c str>,
 }
@@ -119,16 +119,23 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         .iter()
         .map(|descriptor| {
             let entries = with_plan(domain, &descriptor.entries);
-            let matched = match descriptor.limit_override {
-                Some(o) => Matched::Override(Limit::fixed(o.requests_per_unit, o.unit)),
-                None => {
-                    match matcher::find(&domain.root, &entries).map(|node| (node, &node.policy)) {
-                        None | Some((_, None)) => Matched::Nothing,
-                        Some((_, Some(Policy::Unlimited { name, replaces }))) => {
-                            Matched::Unlimited(name.as_deref(), replaces)
-                        }
-                        Some((node, Some(Policy::Limits(limits)))) => Matched::Limits(node, limits),
-                    }
+            if let Some(o) = descriptor.limit_override {
+                let limit = Limit::fixed(o.requests_per_unit, o.unit);
+                return (entries, Matched::Override(limit));
+            }
+            let (found, entries, value_path) = locate(domain, entries);
+            let matched = match found.map(|node| (node, &node.policy)) {
+                None | Some((_, None)) => Matched::Nothing,
+                Some((_, Some(Policy::Unlimited { name, replaces }))) => {
+                    Matched::Unlimited(name.as_deref(), replaces)
+                }
+                Some((node, Some(Policy::Limits(limits)))) => {
+                    let path = if node.detailed_metric {
+                        Cow::Owned(detailed_path(&domain.name, &entries))
+                    } else {
+                        value_path.map_or(Cow::Borrowed(node.path.as_str()), Cow::Owned)
+                    };
+                    Matched::Limits(path, node, limits)
                 }
             };
             (entries, matched)
@@ -145,7 +152,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
             Matched::Unlimited(_, replaces) => {
                 replaced.extend(replaces.iter().map(String::as_str));
             }
-            Matched::Limits(_, limits) => {
+            Matched::Limits(_, _, limits) => {
                 limit_count += limits.len();
                 for limit in limits.iter() {
                     replaced.extend(limit.replaces.iter().map(String::as_str));
@@ -197,15 +204,13 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
             Matched::Override(limit) => add(PlannedLimit {
                 limit: Cow::Owned(limit),
                 path: None,
-                detailed: false,
                 layer: None,
             }),
-            Matched::Limits(node, limits) => {
+            Matched::Limits(path, node, limits) => {
                 for limit in limits {
                     add(PlannedLimit {
                         limit: Cow::Borrowed(limit),
-                        path: Some(node.path.as_str()),
-                        detailed: node.detailed_metric,
+                        path: Some(path.clone()),
                         layer: node.layer.as_deref(),
                     });
                 }
@@ -235,11 +240,90 @@ fn with_plan<'e>(domain: &Domain, entries: &'e [(String, String)]) -> Cow<'e, [(
 /// The entries a descriptor is matched and keyed by.
 type Entries<'r> = Cow<'r, [(String, String)]>;
 
+/// The node `entries` land on; the entries to key it by (a value matched by a
+/// `share_threshold` wildcard becomes the pattern, so all such values share one counter); and,
+/// in a domain with `value_to_metric`, the metric path with the values it asks for.
+///
+/// Domains without either option walk the tree once, as [`matcher::find`], and allocate
+/// nothing here.
+fn locate<'c, 'e>(
+    domain: &'c Domain,
+    entries: Entries<'e>,
+) -> (Option<&'c Node>, Entries<'e>, Option<String>) {
+    if !domain.shares_thresholds && !domain.values_in_metrics {
+        return (matcher::find(&domain.root, &entries), entries, None);
+    }
+    let mut walked: Vec<&'c Node> = Vec::with_capacity(entries.len());
+    let Some(node) = matcher::walk(&domain.root, &entries, |_, node| walked.push(node)) else {
+        return (None, entries, None);
+    };
+    let entries = if walked.iter().any(|node| node.shared_value.is_some()) {
+        let shared = entries
+            .iter()
+            .zip(&walked)
+            .map(|((key, value), node)| {
+                (
+                    key.clone(),
+                    node.shared_value.clone().unwrap_or_else(|| value.clone()),
+                )
+            })
+            .collect::<Vec<_>>();
+        Cow::Owned(shared)
+    } else {
+        entries
+    };
+    let value_path = domain
+        .values_in_metrics
+        .then(|| value_path(&domain.name, &entries, &walked));
+    (Some(node), entries, value_path)
+}
+
+/// envoyproxy/ratelimit's metric path under `value_to_metric`: each entry as its node's own
+/// segment of the config path (`key`, `key_value`, `key_pattern`), except that a node with
+/// `value_to_metric` shows the request's value (a shared pattern stays the pattern).
+fn value_path(domain: &str, entries: &[(String, String)], walked: &[&Node]) -> String {
+    let mut path = domain.to_owned();
+    let mut parent_len = domain.len();
+    for ((key, value), node) in entries.iter().zip(walked) {
+        path.push('.');
+        if node.value_to_metric && node.shared_value.is_none() {
+            push_entry(&mut path, key, value);
+        } else {
+            // A node's path is its parent's, a dot, and its own segment.
+            path.push_str(node.path.get(parent_len + 1..).unwrap_or_default());
+        }
+        parent_len = node.path.len();
+    }
+    path
+}
+
+/// `domain.key_value.key_value` with the request's own values, for `detailed_metric` limits
+/// (an empty value still gets its `_`, as envoyproxy/ratelimit writes it).
+fn detailed_path(domain: &str, entries: &[(String, String)]) -> String {
+    let mut path = domain.to_owned();
+    for (key, value) in entries {
+        path.push('.');
+        path.push_str(key);
+        path.push('_');
+        path.push_str(value);
+    }
+    path
+}
+
+/// `key_value`, or `key` for an empty value, as envoyproxy/ratelimit writes an entry.
+fn push_entry(path: &mut String, key: &str, value: &str) {
+    path.push_str(key);
+    if !value.is_empty() {
+        path.push('_');
+        path.push_str(value);
+    }
+}
+
 enum Matched<'c> {
     Nothing,
     Unlimited(Option<&'c str>, &'c [String]),
-    /// The node's limits, all of which apply.
-    Limits(&'c Node, &'c [Limit]),
+    /// The node's limits, all of which apply, and their metric path.
+    Limits(Cow<'c, str>, &'c Node, &'c [Limit]),
     /// Envoy's own limit for the descriptor.
     Override(Limit),
 }

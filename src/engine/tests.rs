@@ -208,3 +208,102 @@ fn unknown_domains_plan_nothing() {
     assert!(plan.checks.is_empty());
     assert_eq!(plan.decisions, [Decision::NoLimit, Decision::NoLimit]);
 }
+
+/// envoyproxy/ratelimit's `share_threshold` and `value_to_metric`, with `detailed_metric` beside.
+const SHARING: &str = r#"
+domain: d
+descriptors:
+  - key: path
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: path
+    value: models/*
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: path
+    value: shared*detailed
+    share_threshold: true
+    detailed_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: path
+    value: exact
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: path
+    value_to_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: tenant
+    value: t-*
+    share_threshold: true
+    value_to_metric: true
+    descriptors:
+      - key: user
+        value_to_metric: true
+        rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: route
+    value_to_metric: true
+    descriptors:
+      - key: method
+        descriptors:
+          - key: user
+            value: u*
+            rate_limit: {unit: minute, requests_per_unit: 60}
+"#;
+
+/// The store key and metric path of the one check a descriptor of `SHARING` plans.
+fn key_and_path(pairs: &[(&str, &str)]) -> (String, String) {
+    let domain = load_str("sharing.yaml", SHARING).expect("valid config");
+    let mut config = Config::default();
+    config.domains.insert(domain.name.clone(), domain);
+    let descriptor = Descriptor {
+        entries: entries(pairs),
+        ..Default::default()
+    };
+    let plan = plan_one(&config, descriptor, 0);
+    assert_eq!(plan.checks.len(), 1, "{pairs:?}");
+    let path = plan.limits[0].path.as_deref().expect("a config path");
+    (plan.checks[0].key.clone(), path.to_owned())
+}
+
+#[test]
+fn share_threshold_keys_every_value_its_wildcard_matches_as_the_pattern() {
+    let (a, a_path) = key_and_path(&[("path", "files/a.pdf")]);
+    let (b, b_path) = key_and_path(&[("path", "files/b.csv")]);
+    assert_eq!(a, "rlsd:_:d:fw:3600:path=files/*");
+    assert_eq!(b, a);
+    assert_eq!(
+        (a_path.as_str(), b_path.as_str()),
+        ("d.path_files/*", "d.path_files/*")
+    );
+    // Without share_threshold each value keeps a counter of its own.
+    let (m, m_path) = key_and_path(&[("path", "models/x")]);
+    let (n, _) = key_and_path(&[("path", "models/y")]);
+    assert_eq!(m, "rlsd:_:d:fw:3600:path=models/x");
+    assert_ne!(m, n);
+    assert_eq!(m_path, "d.path_models/*");
+    // A shared parent: the child's key carries the pattern for the parent's entry, and
+    // value_to_metric on the shared node still shows the pattern (a shared threshold has one
+    // series), while the child's own value_to_metric shows its value.
+    let (t1, t1_path) = key_and_path(&[("tenant", "t-1"), ("user", "alice")]);
+    let (t2, _) = key_and_path(&[("tenant", "t-2"), ("user", "alice")]);
+    let (t3, _) = key_and_path(&[("tenant", "t-2"), ("user", "bob")]);
+    assert_eq!(t1, "rlsd:_:d:fw:60:tenant=t-*:user=alice");
+    assert_eq!(t2, t1);
+    assert_ne!(t3, t1);
+    assert_eq!(t1_path, "d.tenant_t-*.user_alice");
+    // detailed_metric with share_threshold: the pattern, not the value.
+    let (_, detailed) = key_and_path(&[("path", "shared-x-detailed")]);
+    assert_eq!(detailed, "d.path_shared*detailed");
+}
+
+#[test]
+fn value_to_metric_puts_the_values_it_names_in_the_metric_path() {
+    // A default node: the value instead of the bare key; the key itself is unchanged.
+    let (key, path) = key_and_path(&[("path", "/api/v1")]);
+    assert_eq!(key, "rlsd:_:d:fw:3600:path=/api/v1");
+    assert_eq!(path, "d.path_/api/v1");
+    // An exact node is already labelled with its value.
+    assert_eq!(key_and_path(&[("path", "exact")]).1, "d.path_exact");
+    // Only the levels that ask: route's value, method as the bare key, user's pattern.
+    let (_, path) = key_and_path(&[("route", "/login"), ("method", "POST"), ("user", "u42")]);
+    assert_eq!(path, "d.route_/login.method.user_u*");
+}
