@@ -47,7 +47,10 @@
 //! 4. open loops on the three-layer shape at `RLSD_BENCH_OPEN_FRACTIONS` (0.5,0.25) of each
 //!    server's own peak with that client (or `RLSD_BENCH_OPEN_RATE` req/s for all), with
 //!    latency from the *scheduled* time, so a server that stalls cannot hide the queueing it
-//!    causes (no coordinated omission); "lag p99" is how late requests actually left:
+//!    causes (no coordinated omission); "lag p99" is how late requests actually left. Each
+//!    runs `RLSD_BENCH_ROUNDS` times, servers alternating, and the row is the run with the
+//!    median p99 (its label gives the range of the rounds' p99s): on these shared cores one
+//!    run's p99 swings several fold;
 //!    - `open`, the tonic client: a pacer thread releases each request as its own task (it
 //!      sleeps with `std::thread::sleep`, ~60 µs granularity, because tokio timers tick in
 //!      whole ms);
@@ -1620,39 +1623,74 @@ fn main() {
         }
         let (shape, requests) = &pools[open_shape];
         for (f, fraction) in opts.open_fractions.iter().enumerate() {
-            for (v, (server, clients)) in servers.iter().enumerate() {
-                // Its own peak with this client, else with the tonic client.
-                let (peak, of) = match own_peak[d][v] {
-                    Some(peak) => (Some(peak), driver.phase()),
-                    None => (own_peak[0][v], Driver::Tonic.phase()),
-                };
-                let rate = match (opts.open_rate, peak) {
-                    (Some(rate), _) => rate,
-                    (None, Some(peak)) => peak * fraction,
-                    (None, None) => 5_000.0,
-                };
-                eprintln!("{phase_name} {server} at {rate:.0}/s");
-                let phase = match driver {
-                    Driver::Raw => {
-                        let load = lean_load(&opts, (opts.connections, 1000), Some(rate));
-                        raw_phase(addrs[v].1.0, requests, load)
+            // Each server's rate: its own peak with this client, else with the tonic client.
+            let rates: Vec<(f64, Option<f64>, &str)> = (0..servers.len())
+                .map(|v| {
+                    let (peak, of) = match own_peak[d][v] {
+                        Some(peak) => (Some(peak), driver.phase()),
+                        None => (own_peak[0][v], Driver::Tonic.phase()),
+                    };
+                    let rate = match (opts.open_rate, peak) {
+                        (Some(rate), _) => rate,
+                        (None, Some(peak)) => peak * fraction,
+                        (None, None) => 5_000.0,
+                    };
+                    (rate, peak, of)
+                })
+                .collect();
+            // Rounds alternate the servers, as the peak phases do: one run's p99 swings several
+            // fold on these shared cores, so the row is the run with the median p99.
+            let mut runs: Vec<Vec<Phase>> = vec![Vec::new(); servers.len()];
+            for round in 0..opts.rounds {
+                for (v, (server, clients)) in servers.iter().enumerate() {
+                    let rate = rates[v].0;
+                    eprintln!(
+                        "{phase_name} {server} at {rate:.0}/s, round {}/{}",
+                        round + 1,
+                        opts.rounds
+                    );
+                    runs[v].push(match driver {
+                        Driver::Raw => {
+                            let load = lean_load(&opts, (opts.connections, 1000), Some(rate));
+                            raw_phase(addrs[v].1.0, requests, load)
+                        }
+                        _ => {
+                            let handle = client_rt.handle().clone();
+                            let requests = Arc::clone(requests);
+                            let seconds = opts.seconds;
+                            std::thread::scope(|scope| {
+                                std::thread::Builder::new()
+                                    .name("bench-client-pacer".to_owned())
+                                    .spawn_scoped(scope, || {
+                                        open_loop(&handle, clients, requests, rate, seconds)
+                                    })
+                                    .expect("pacer thread")
+                                    .join()
+                                    .expect("pacer")
+                            })
+                        }
+                    });
+                }
+            }
+            for (v, (server, _)) in servers.iter().enumerate() {
+                let (rate, peak, of) = rates[v];
+                let mut by_p99: Vec<(f64, Phase)> = std::mem::take(&mut runs[v])
+                    .into_iter()
+                    .map(|phase| (Phase::percentile(&phase.latencies_us, 0.99), phase))
+                    .collect();
+                by_p99.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let spread = match (by_p99.first(), by_p99.last()) {
+                    (Some(low), Some(high)) if by_p99.len() > 1 => {
+                        format!(
+                            ", median p99 of {}: {:.2}-{:.2} ms",
+                            by_p99.len(),
+                            low.0,
+                            high.0
+                        )
                     }
-                    _ => {
-                        let handle = client_rt.handle().clone();
-                        let requests = Arc::clone(requests);
-                        let seconds = opts.seconds;
-                        std::thread::scope(|scope| {
-                            std::thread::Builder::new()
-                                .name("bench-client-pacer".to_owned())
-                                .spawn_scoped(scope, || {
-                                    open_loop(&handle, clients, requests, rate, seconds)
-                                })
-                                .expect("pacer thread")
-                                .join()
-                                .expect("pacer")
-                        })
-                    }
+                    _ => String::new(),
                 };
+                let phase = by_p99.swap_remove(by_p99.len() / 2).1;
                 if f == 0 {
                     let l = &phase.latencies_us;
                     plotted[v].open[d] = Some([0.5, 0.99, 0.999].map(|q| Phase::percentile(l, q)));
@@ -1661,7 +1699,7 @@ fn main() {
                     format!(" ({:.0}% {of} pk)", 100.0 * rate / peak)
                 });
                 rows.push(Row {
-                    phase: format!("{phase_name} {rate:.0}/s{share}, {}", shape.label()),
+                    phase: format!("{phase_name} {rate:.0}/s{share}{spread}, {}", shape.label()),
                     server,
                     result: phase,
                 });
