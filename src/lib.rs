@@ -23,6 +23,7 @@ pub mod lane;
 pub mod limit;
 pub mod metrics;
 pub mod pb;
+pub mod ratelimit_env;
 pub mod reload;
 pub mod server;
 pub mod service;

@@ -228,8 +228,17 @@ struct ServeArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (cli, notes) = match parse_command_line() {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            eprintln!("{}: {error}", rlsd::ratelimit_env::PROGRAM);
+            return ExitCode::FAILURE;
+        }
+    };
     init_logs(&cli);
+    for note in notes {
+        tracing::warn!("{note}");
+    }
     let result = match cli.command {
         Command::Check { config } => return check(&config),
         Command::Serve(args) => serve(*args),
@@ -242,6 +251,24 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The command line; or, run as `ratelimit` (the image's `/bin/ratelimit`), `rlsd serve` with
+/// the flags envoyproxy/ratelimit's environment variables mean, and notes to log about them.
+fn parse_command_line() -> Result<(Cli, Vec<String>), rlsd::ratelimit_env::EnvError> {
+    let mut args = std::env::args_os();
+    let program = args.next().unwrap_or_default();
+    let as_ratelimit = std::path::Path::new(&program)
+        .file_name()
+        .is_some_and(|name| name == rlsd::ratelimit_env::PROGRAM);
+    if !as_ratelimit || args.next().is_some() {
+        return Ok((Cli::parse(), Vec::new()));
+    }
+    let flags = rlsd::ratelimit_env::serve_flags(|name| std::env::var(name).ok())?;
+    let command_line = ["rlsd".to_owned(), "serve".to_owned()]
+        .into_iter()
+        .chain(flags.args);
+    Ok((Cli::parse_from(command_line), flags.notes))
 }
 
 fn init_logs(cli: &Cli) {

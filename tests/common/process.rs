@@ -40,18 +40,24 @@ impl Rlsd {
         I: IntoIterator<Item = S>,
         S: AsRef<std::ffi::OsStr>,
     {
-        let log = tempfile::NamedTempFile::new().expect("a log file");
         let mut command = command();
         command
             .arg("serve")
             .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log.reopen().expect("the log file")));
-        command
             .env("RLSD_GRPC_ADDR", "127.0.0.1:0")
             .env("RLSD_HTTP_ADDR", "127.0.0.1:0");
         adjust(&mut command);
+        Rlsd::start(command)
+    }
+
+    /// Runs `command` (the binary however it is invoked, set to bind port 0), with its stderr
+    /// captured, and waits for the "serving" line as [`Rlsd::serve`] does.
+    pub fn start(mut command: Command) -> Rlsd {
+        let log = tempfile::NamedTempFile::new().expect("a log file");
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log.reopen().expect("the log file")));
         let mut child = command.spawn().expect("spawn rlsd");
         let deadline = Instant::now() + START_DEADLINE;
         loop {
@@ -127,7 +133,13 @@ impl Drop for Rlsd {
 
 /// The `rlsd` binary, with no `RLSD_*` variable of the test's own environment.
 pub fn command() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_rlsd"));
+    command_at(env!("CARGO_BIN_EXE_rlsd"))
+}
+
+/// The `rlsd` binary at `path` (a link to it under another name, say), with no `RLSD_*`
+/// variable of the test's own environment.
+pub fn command_at(path: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut command = Command::new(path);
     for (name, _) in std::env::vars_os() {
         if name.to_string_lossy().starts_with("RLSD_") {
             command.env_remove(name);

@@ -1,0 +1,398 @@
+//! envoyproxy/ratelimit's environment variables, read as `rlsd serve` flags.
+//!
+//! The image ships the binary a second time as `/bin/ratelimit`, the path envoyproxy/ratelimit's
+//! image uses, so a Deployment written for that image (Istio's sample: `command:
+//! ["/bin/ratelimit"]`, `RUNTIME_ROOT`, `REDIS_URL`, ...) runs rlsd with the same config
+//! directory, Redis and ports. A variable that would change what rlsd answers and that it cannot
+//! honour stops the start with an error naming it; one that only tunes envoyproxy/ratelimit's
+//! own machinery is ignored, with a note where an operator would expect an effect.
+
+use std::path::PathBuf;
+
+/// The file name under which the binary reads these variables instead of its arguments.
+pub const PROGRAM: &str = "ratelimit";
+
+/// A variable rlsd cannot honour, or cannot read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EnvError {
+    /// Set to something rlsd does not do; running anyway would answer differently.
+    #[error("{variable}={value}: {reason}")]
+    Unsupported {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// What rlsd does instead, or what to use.
+        reason: &'static str,
+    },
+    /// Not a value of the variable's type.
+    #[error("{variable}={value}: expected {expected}")]
+    Invalid {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+}
+
+/// What the variables say: `rlsd serve` flags, and notes to log once logging is up.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ServeFlags {
+    /// Flags for `rlsd serve`, in order.
+    pub args: Vec<String>,
+    /// Variables read with a caveat, one line each.
+    pub notes: Vec<String>,
+}
+
+impl ServeFlags {
+    /// Appends `--name value`.
+    fn flag(&mut self, name: &str, value: String) {
+        self.args.push(format!("--{name}"));
+        self.args.push(value);
+    }
+}
+
+/// Reads envoyproxy/ratelimit's variables through `var` (unset and empty are the same, as
+/// there) and returns the `rlsd serve` flags that mean the same.
+///
+/// # Errors
+/// When a variable asks for something rlsd does not do, or has a malformed value.
+pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, EnvError> {
+    let get = |name: &str| var(name).filter(|value| !value.is_empty());
+    let mut flags = ServeFlags::default();
+
+    // The config directory: RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY.
+    let mut config =
+        PathBuf::from(get("RUNTIME_ROOT").unwrap_or("/srv/runtime_data/current".into()));
+    for part in [
+        get("RUNTIME_SUBDIRECTORY"),
+        Some(get("RUNTIME_APPDIRECTORY").unwrap_or("config".into())),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        config.push(part);
+    }
+    flags.flag("config", config.display().to_string());
+
+    let host_port = |host: &str, port: &'static str, default_port: &str| {
+        let host = get(host).unwrap_or("0.0.0.0".into());
+        let number = get(port).unwrap_or(default_port.into());
+        if number.parse::<u16>().is_err() {
+            return Err(invalid(port, &number, "a port number"));
+        }
+        // An IPv6 literal needs brackets before the port.
+        Ok(if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{number}")
+        } else {
+            format!("{host}:{number}")
+        })
+    };
+    flags.flag("grpc-addr", host_port("GRPC_HOST", "GRPC_PORT", "8081")?);
+    flags.flag("http-addr", host_port("HOST", "PORT", "8080")?);
+    if let Some(path) = get("GRPC_UDS") {
+        flags.flag("grpc-unix-socket", path);
+        flags
+            .notes
+            .push("GRPC_UDS: gRPC is served on the socket and on GRPC_HOST:GRPC_PORT".into());
+    }
+
+    if let Some(level) = get("LOG_LEVEL") {
+        let level = match level.to_ascii_lowercase().as_str() {
+            "trace" => "trace",
+            "debug" => "debug",
+            "info" => "info",
+            "warn" | "warning" => "warn",
+            "error" | "fatal" | "panic" => "error",
+            _ => return Err(invalid("LOG_LEVEL", &level, "debug, info, warn or error")),
+        };
+        flags.flag("log-level", level.to_owned());
+    }
+    if let Some(format) = get("LOG_FORMAT") {
+        match format.to_ascii_lowercase().as_str() {
+            "text" => flags.flag("log-format", "text".into()),
+            "json" => flags.flag("log-format", "json".into()),
+            _ => return Err(invalid("LOG_FORMAT", &format, "text or json")),
+        }
+    }
+
+    refuse_unless(
+        "CONFIG_TYPE",
+        get("CONFIG_TYPE"),
+        "FILE",
+        "rlsd reads config files only",
+    )?;
+    refuse_if_true(
+        "MERGE_DOMAIN_CONFIG",
+        get("MERGE_DOMAIN_CONFIG"),
+        "rlsd wants one file per domain; merge the files",
+    )?;
+    refuse_unless(
+        "BACKEND_TYPE",
+        get("BACKEND_TYPE"),
+        "redis",
+        "rlsd keeps state in Redis or in process, not in memcache",
+    )?;
+
+    redis(&get, &mut flags)?;
+
+    if let Some(ratio) = get("NEAR_LIMIT_RATIO") {
+        flags.flag("near-limit-ratio", ratio);
+    }
+    if let Some(prefix) = get("CACHE_KEY_PREFIX") {
+        flags.flag("key-prefix", prefix);
+    }
+    if boolean("SHADOW_MODE", get("SHADOW_MODE"))? {
+        flags.args.push("--shadow-mode".into());
+    }
+    // envoyproxy/ratelimit adds no headers unless asked, and then only the RateLimit-* set.
+    let headers = boolean(
+        "LIMIT_RESPONSE_HEADERS_ENABLED",
+        get("LIMIT_RESPONSE_HEADERS_ENABLED"),
+    )?;
+    for (variable, default) in [
+        ("LIMIT_LIMIT_HEADER", "RateLimit-Limit"),
+        ("LIMIT_REMAINING_HEADER", "RateLimit-Remaining"),
+        ("LIMIT_RESET_HEADER", "RateLimit-Reset"),
+    ] {
+        if let Some(name) = get(variable)
+            && !name.eq_ignore_ascii_case(default)
+        {
+            return Err(EnvError::Unsupported {
+                variable,
+                value: name,
+                reason: "rlsd's header names are fixed (--headers ratelimit sends RateLimit-*)",
+            });
+        }
+    }
+    flags.flag(
+        "headers",
+        if headers { "ratelimit" } else { "off" }.to_owned(),
+    );
+
+    if boolean("GRPC_SERVER_USE_TLS", get("GRPC_SERVER_USE_TLS"))? {
+        let (Some(cert), Some(key)) = (get("GRPC_SERVER_TLS_CERT"), get("GRPC_SERVER_TLS_KEY"))
+        else {
+            return Err(invalid(
+                "GRPC_SERVER_USE_TLS",
+                "true",
+                "GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY set as well",
+            ));
+        };
+        flags.flag("tls-cert", cert);
+        flags.flag("tls-key", key);
+        if let Some(ca) = get("GRPC_CLIENT_TLS_CACERT") {
+            flags.flag("tls-client-ca", ca);
+        }
+        if let Some(san) = get("GRPC_CLIENT_TLS_SAN") {
+            return Err(EnvError::Unsupported {
+                variable: "GRPC_CLIENT_TLS_SAN",
+                value: san,
+                reason: "rlsd accepts any client certificate its CA signed",
+            });
+        }
+    }
+
+    if boolean("USE_STATSD", get("USE_STATSD"))? {
+        flags
+            .notes
+            .push("USE_STATSD: rlsd sends no statsd; Prometheus metrics are on /metrics".into());
+    }
+    if get("DEBUG_PORT").is_some() {
+        flags
+            .notes
+            .push("DEBUG_PORT: /rlconfig is on the HTTP port (PORT), not a debug port".into());
+    }
+    Ok(flags)
+}
+
+/// REDIS_* as `--redis-url` and `--redis-mode`.
+fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<(), EnvError> {
+    let tls = boolean("REDIS_TLS", get("REDIS_TLS"))?;
+    let scheme = if tls { "rediss" } else { "redis" };
+    let socket = get("REDIS_SOCKET_TYPE").unwrap_or("unix".into());
+    let url = get("REDIS_URL").unwrap_or("/var/run/nutcracker/ratelimit.sock".into());
+    let auth = get("REDIS_AUTH");
+    for variable in ["REDIS_TLS_CLIENT_CERT", "REDIS_TLS_CLIENT_KEY"] {
+        if let Some(value) = get(variable) {
+            return Err(EnvError::Unsupported {
+                variable,
+                value,
+                reason: "rlsd does not present a client certificate to Redis",
+            });
+        }
+    }
+    if boolean(
+        "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+        get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
+    )? {
+        return Err(EnvError::Unsupported {
+            variable: "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+            value: "true".into(),
+            reason: "rlsd always verifies Redis's certificate; give its CA with REDIS_TLS_CACERT",
+        });
+    }
+    if let Some(ca) = get("REDIS_TLS_CACERT") {
+        flags.flag("redis-ca", ca);
+    }
+    if boolean("REDIS_PERSECOND", get("REDIS_PERSECOND"))? {
+        flags.notes.push(
+            "REDIS_PERSECOND: per-second limits are kept in REDIS_URL's Redis with the rest".into(),
+        );
+    }
+    let userinfo = auth.as_deref().map(userinfo).unwrap_or_default();
+    let kind = get("REDIS_TYPE").unwrap_or("SINGLE".into());
+    match (
+        kind.to_ascii_uppercase().as_str(),
+        socket.to_ascii_lowercase().as_str(),
+    ) {
+        ("SINGLE", "tcp") => flags.flag("redis-url", format!("{scheme}://{userinfo}{url}")),
+        ("SINGLE", "unix") => {
+            if tls {
+                return Err(invalid(
+                    "REDIS_TLS",
+                    "true",
+                    "false with REDIS_SOCKET_TYPE=unix",
+                ));
+            }
+            let query = match auth.as_deref().map(|auth| auth.split_once(':')) {
+                None => String::new(),
+                Some(None) => format!("?pass={}", encode(auth.as_deref().unwrap_or_default())),
+                Some(Some((user, pass))) => format!("?user={}&pass={}", encode(user), encode(pass)),
+            };
+            flags.flag("redis-url", format!("redis+unix://{url}{query}"));
+        }
+        ("CLUSTER", "tcp") => {
+            let nodes: Vec<String> = url
+                .split(',')
+                .map(str::trim)
+                .filter(|node| !node.is_empty())
+                .map(|node| format!("{scheme}://{userinfo}{node}"))
+                .collect();
+            flags.flag("redis-mode", "cluster".into());
+            flags.flag("redis-url", nodes.join(","));
+        }
+        ("SENTINEL", "tcp") => {
+            for (variable, value) in [
+                ("REDIS_AUTH", auth.as_deref()),
+                ("REDIS_SENTINEL_AUTH", get("REDIS_SENTINEL_AUTH").as_deref()),
+            ] {
+                if value.is_some() {
+                    return Err(EnvError::Unsupported {
+                        variable,
+                        // A password stays out of the logs.
+                        value: "(set)".into(),
+                        reason: "rlsd reaches Sentinel without passwords",
+                    });
+                }
+            }
+            let mut parts = url
+                .split(',')
+                .map(str::trim)
+                .filter(|part| !part.is_empty());
+            let master = parts.next().unwrap_or_default().to_owned();
+            let sentinels: Vec<String> = parts.map(|node| format!("{scheme}://{node}")).collect();
+            if master.is_empty() || sentinels.is_empty() {
+                return Err(invalid(
+                    "REDIS_URL",
+                    &url,
+                    "<master name>,<sentinel host:port>[,...] with REDIS_TYPE=SENTINEL",
+                ));
+            }
+            flags.flag("redis-mode", "sentinel".into());
+            flags.flag("redis-master-name", master);
+            flags.flag("redis-url", sentinels.join(","));
+        }
+        (_, "tcp" | "unix")
+            if matches!(kind.to_ascii_uppercase().as_str(), "CLUSTER" | "SENTINEL") =>
+        {
+            return Err(invalid(
+                "REDIS_SOCKET_TYPE",
+                &socket,
+                "tcp with REDIS_TYPE=CLUSTER or SENTINEL",
+            ));
+        }
+        (_, "tcp" | "unix") => {
+            return Err(invalid("REDIS_TYPE", &kind, "SINGLE, CLUSTER or SENTINEL"));
+        }
+        _ => return Err(invalid("REDIS_SOCKET_TYPE", &socket, "tcp or unix")),
+    }
+    Ok(())
+}
+
+/// The `user:password@` of a URL from REDIS_AUTH (`password` or `user:password`).
+fn userinfo(auth: &str) -> String {
+    match auth.split_once(':') {
+        Some((user, password)) => format!("{}:{}@", encode(user), encode(password)),
+        None => format!(":{}@", encode(auth)),
+    }
+}
+
+/// Percent-encodes all but RFC 3986's unreserved characters, for a URL's userinfo or query.
+fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// A boolean as Go's strconv.ParseBool reads it; unset is false.
+fn boolean(variable: &'static str, value: Option<String>) -> Result<bool, EnvError> {
+    match value.as_deref() {
+        None => Ok(false),
+        Some("1" | "t" | "T" | "true" | "TRUE" | "True") => Ok(true),
+        Some("0" | "f" | "F" | "false" | "FALSE" | "False") => Ok(false),
+        Some(other) => Err(invalid(variable, other, "true or false")),
+    }
+}
+
+/// Refuses `value` of `variable` unless it is `supported` (case-insensitive) or unset.
+fn refuse_unless(
+    variable: &'static str,
+    value: Option<String>,
+    supported: &str,
+    reason: &'static str,
+) -> Result<(), EnvError> {
+    match value {
+        Some(value) if !value.eq_ignore_ascii_case(supported) => Err(EnvError::Unsupported {
+            variable,
+            value,
+            reason,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses `variable` set to true.
+fn refuse_if_true(
+    variable: &'static str,
+    value: Option<String>,
+    reason: &'static str,
+) -> Result<(), EnvError> {
+    if boolean(variable, value)? {
+        return Err(EnvError::Unsupported {
+            variable,
+            value: "true".into(),
+            reason,
+        });
+    }
+    Ok(())
+}
+
+fn invalid(variable: &'static str, value: &str, expected: &'static str) -> EnvError {
+    EnvError::Invalid {
+        variable,
+        value: value.to_owned(),
+        expected,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,244 @@
+use super::*;
+
+/// `serve_flags` over exactly these variables.
+fn read(vars: &[(&str, &str)]) -> Result<ServeFlags, EnvError> {
+    serve_flags(|name| {
+        vars.iter()
+            .find(|(variable, _)| *variable == name)
+            .map(|(_, value)| (*value).to_owned())
+    })
+}
+
+/// The value given to `--name`, if the flags have it.
+fn value<'f>(flags: &'f ServeFlags, name: &str) -> Option<&'f str> {
+    let flag = format!("--{name}");
+    flags
+        .args
+        .iter()
+        .position(|arg| *arg == flag)
+        .and_then(|at| flags.args.get(at + 1))
+        .map(String::as_str)
+}
+
+#[test]
+fn istio_samples_variables_mean_the_same_config_redis_and_ports() {
+    // The env of Istio's samples/ratelimit/rate-limit-service.yaml.
+    let flags = read(&[
+        ("LOG_LEVEL", "debug"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "redis.default.svc.cluster.local:6379"),
+        ("USE_STATSD", "false"),
+        ("RUNTIME_ROOT", "/data"),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&flags, "config"), Some("/data/ratelimit/config"));
+    assert_eq!(
+        value(&flags, "redis-url"),
+        Some("redis://redis.default.svc.cluster.local:6379")
+    );
+    assert_eq!(value(&flags, "redis-mode"), None);
+    assert_eq!(value(&flags, "grpc-addr"), Some("0.0.0.0:8081"));
+    assert_eq!(value(&flags, "http-addr"), Some("0.0.0.0:8080"));
+    assert_eq!(value(&flags, "log-level"), Some("debug"));
+    // envoyproxy/ratelimit adds no headers unless LIMIT_RESPONSE_HEADERS_ENABLED.
+    assert_eq!(value(&flags, "headers"), Some("off"));
+    assert!(flags.notes.is_empty(), "{:?}", flags.notes);
+}
+
+#[test]
+fn unset_variables_take_envoyproxy_ratelimits_defaults() {
+    let flags = read(&[]).expect("supported");
+    assert_eq!(
+        value(&flags, "config"),
+        Some("/srv/runtime_data/current/config")
+    );
+    assert_eq!(
+        value(&flags, "redis-url"),
+        Some("redis+unix:///var/run/nutcracker/ratelimit.sock")
+    );
+    assert_eq!(value(&flags, "log-level"), None);
+}
+
+#[test]
+fn ports_hosts_and_the_unix_socket() {
+    let flags = read(&[
+        ("HOST", "127.0.0.1"),
+        ("PORT", "9080"),
+        ("GRPC_HOST", "::1"),
+        ("GRPC_PORT", "9081"),
+        ("GRPC_UDS", "/run/rl.sock"),
+        ("RUNTIME_APPDIRECTORY", "limits"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&flags, "http-addr"), Some("127.0.0.1:9080"));
+    assert_eq!(value(&flags, "grpc-addr"), Some("[::1]:9081"));
+    assert_eq!(value(&flags, "grpc-unix-socket"), Some("/run/rl.sock"));
+    assert_eq!(
+        value(&flags, "config"),
+        Some("/srv/runtime_data/current/limits")
+    );
+    assert_eq!(flags.notes.len(), 1);
+    assert_eq!(
+        read(&[("GRPC_PORT", "80a")]),
+        Err(EnvError::Invalid {
+            variable: "GRPC_PORT",
+            value: "80a".into(),
+            expected: "a port number"
+        })
+    );
+}
+
+#[test]
+fn redis_auth_tls_cluster_and_sentinel() {
+    let single = read(&[
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "redis:6380"),
+        ("REDIS_AUTH", "rl:p@ss/word"),
+        ("REDIS_TLS", "true"),
+        ("REDIS_TLS_CACERT", "/etc/ca.pem"),
+    ])
+    .expect("supported");
+    assert_eq!(
+        value(&single, "redis-url"),
+        Some("rediss://rl:p%40ss%2Fword@redis:6380")
+    );
+    assert_eq!(value(&single, "redis-ca"), Some("/etc/ca.pem"));
+    let password_only = read(&[
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "redis:6379"),
+        ("REDIS_AUTH", "secret"),
+    ])
+    .expect("supported");
+    assert_eq!(
+        value(&password_only, "redis-url"),
+        Some("redis://:secret@redis:6379")
+    );
+    let unix =
+        read(&[("REDIS_URL", "/run/redis.sock"), ("REDIS_AUTH", "secret")]).expect("supported");
+    assert_eq!(
+        value(&unix, "redis-url"),
+        Some("redis+unix:///run/redis.sock?pass=secret")
+    );
+    let cluster = read(&[
+        ("REDIS_TYPE", "cluster"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "a:7000, b:7001"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&cluster, "redis-mode"), Some("cluster"));
+    assert_eq!(
+        value(&cluster, "redis-url"),
+        Some("redis://a:7000,redis://b:7001")
+    );
+    let sentinel = read(&[
+        ("REDIS_TYPE", "SENTINEL"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "mymaster,s1:26379,s2:26379"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&sentinel, "redis-mode"), Some("sentinel"));
+    assert_eq!(value(&sentinel, "redis-master-name"), Some("mymaster"));
+    assert_eq!(
+        value(&sentinel, "redis-url"),
+        Some("redis://s1:26379,redis://s2:26379")
+    );
+}
+
+#[test]
+fn headers_follow_limit_response_headers_enabled() {
+    let on = read(&[("LIMIT_RESPONSE_HEADERS_ENABLED", "true")]).expect("supported");
+    assert_eq!(value(&on, "headers"), Some("ratelimit"));
+    let default_names = read(&[
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "1"),
+        ("LIMIT_LIMIT_HEADER", "RateLimit-Limit"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&default_names, "headers"), Some("ratelimit"));
+    assert!(matches!(
+        read(&[("LIMIT_REMAINING_HEADER", "X-Left")]),
+        Err(EnvError::Unsupported {
+            variable: "LIMIT_REMAINING_HEADER",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn tuning_variables_map_to_flags() {
+    let flags = read(&[
+        ("NEAR_LIMIT_RATIO", "0.9"),
+        ("CACHE_KEY_PREFIX", "edge_"),
+        ("SHADOW_MODE", "true"),
+        ("LOG_LEVEL", "WARNING"),
+        ("LOG_FORMAT", "json"),
+        ("GRPC_SERVER_USE_TLS", "true"),
+        ("GRPC_SERVER_TLS_CERT", "/tls/cert.pem"),
+        ("GRPC_SERVER_TLS_KEY", "/tls/key.pem"),
+        ("GRPC_CLIENT_TLS_CACERT", "/tls/ca.pem"),
+        ("USE_STATSD", "true"),
+        ("REDIS_PERSECOND", "true"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&flags, "near-limit-ratio"), Some("0.9"));
+    assert_eq!(value(&flags, "key-prefix"), Some("edge_"));
+    assert!(flags.args.iter().any(|arg| arg == "--shadow-mode"));
+    assert_eq!(value(&flags, "log-level"), Some("warn"));
+    assert_eq!(value(&flags, "log-format"), Some("json"));
+    assert_eq!(value(&flags, "tls-cert"), Some("/tls/cert.pem"));
+    assert_eq!(value(&flags, "tls-key"), Some("/tls/key.pem"));
+    assert_eq!(value(&flags, "tls-client-ca"), Some("/tls/ca.pem"));
+    assert_eq!(flags.notes.len(), 2, "{:?}", flags.notes);
+}
+
+#[test]
+fn what_would_change_the_answers_is_refused_by_name() {
+    let refused = |vars: &[(&str, &str)]| match read(vars) {
+        Err(error @ (EnvError::Unsupported { .. } | EnvError::Invalid { .. })) => error.to_string(),
+        Ok(flags) => panic!("{vars:?} accepted: {flags:?}"),
+    };
+    for (vars, variable) in [
+        (&[("CONFIG_TYPE", "GRPC_XDS_SOTW")][..], "CONFIG_TYPE"),
+        (&[("MERGE_DOMAIN_CONFIG", "true")], "MERGE_DOMAIN_CONFIG"),
+        (&[("BACKEND_TYPE", "memcache")], "BACKEND_TYPE"),
+        (
+            &[("REDIS_TLS_CLIENT_CERT", "/c.pem")],
+            "REDIS_TLS_CLIENT_CERT",
+        ),
+        (&[("GRPC_SERVER_USE_TLS", "true")], "GRPC_SERVER_USE_TLS"),
+        (&[("REDIS_TYPE", "ring")], "REDIS_TYPE"),
+        (&[("REDIS_SOCKET_TYPE", "udp")], "REDIS_SOCKET_TYPE"),
+        (&[("SHADOW_MODE", "yes")], "SHADOW_MODE"),
+        (&[("LOG_LEVEL", "loud")], "LOG_LEVEL"),
+        (
+            &[("REDIS_TYPE", "CLUSTER"), ("REDIS_URL", "/run/redis.sock")],
+            "REDIS_SOCKET_TYPE",
+        ),
+        (
+            &[
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "only-a-name"),
+            ],
+            "REDIS_URL",
+        ),
+    ] {
+        let message = refused(vars);
+        assert!(message.starts_with(variable), "{vars:?}: {message}");
+    }
+    // A Sentinel password is refused without being printed.
+    let message = refused(&[
+        ("REDIS_TYPE", "SENTINEL"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "m,s1:26379"),
+        ("REDIS_AUTH", "hunter2"),
+    ]);
+    assert!(
+        message.starts_with("REDIS_AUTH") && !message.contains("hunter2"),
+        "{message}"
+    );
+    // Empty is unset, as envconfig reads it.
+    assert!(read(&[("CONFIG_TYPE", ""), ("SHADOW_MODE", "")]).is_ok());
+}

@@ -1,0 +1,133 @@
+//! The binary run as `ratelimit` (the image's `/bin/ratelimit`, envoyproxy/ratelimit's path)
+//! takes its settings from envoyproxy/ratelimit's environment variables, as a Deployment written
+//! for that image sets them.
+
+mod common;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::process::{Rlsd, command_at};
+use common::redis::RedisServer;
+use common::{descriptor, request};
+use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::rate_limit_response::Code;
+
+/// A directory with the binary linked as `bin/ratelimit`, and `config` written as
+/// envoyproxy/ratelimit finds it: `data/ratelimit/config/` (RUNTIME_ROOT=data,
+/// RUNTIME_SUBDIRECTORY=ratelimit).
+fn installed(config: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::create_dir_all(dir.path().join("bin")).expect("bin");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_rlsd"), dir.path().join("bin/ratelimit"))
+        .expect("link the binary as ratelimit");
+    let configs = dir.path().join("data/ratelimit/config");
+    std::fs::create_dir_all(&configs).expect("config directory");
+    std::fs::write(configs.join("ratelimit.yaml"), config).expect("config file");
+    dir
+}
+
+fn ratelimit(dir: &Path) -> std::process::Command {
+    let mut command = command_at(dir.join("bin/ratelimit"));
+    command
+        .env("RUNTIME_ROOT", dir.join("data"))
+        .env("RUNTIME_SUBDIRECTORY", "ratelimit")
+        .env("RUNTIME_WATCH_ROOT", "false")
+        .env("RUNTIME_IGNOREDOTFILES", "true")
+        .env("USE_STATSD", "false")
+        .env("HOST", "127.0.0.1")
+        .env("PORT", "0")
+        .env("GRPC_HOST", "127.0.0.1")
+        .env("GRPC_PORT", "0")
+        .env("LOG_LEVEL", "info")
+        // The image's own default, which the mapped RUNTIME_* config must win over.
+        .env("RLSD_CONFIG", "/etc/rlsd-not-here");
+    command
+}
+
+const PRODUCTPAGE: &str = r#"
+domain: productpage-ratelimit
+descriptors:
+  - key: PATH
+    value: "/productpage"
+    rate_limit:
+      unit: minute
+      requests_per_unit: 1
+  - key: PATH
+    rate_limit:
+      unit: minute
+      requests_per_unit: 100
+"#;
+
+// Multi-threaded, so the dropped client's connection closes while this thread waits for the
+// exit in `terminate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_sample_environment_serves_its_config_from_its_redis_without_headers() {
+    let redis = RedisServer::start();
+    let dir = installed(PRODUCTPAGE);
+    let mut command = ratelimit(dir.path());
+    command
+        .env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port));
+    let mut rlsd = Rlsd::start(command);
+
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+        .await
+        .expect("connect");
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let response = client
+            .should_rate_limit(request(
+                "productpage-ratelimit",
+                vec![descriptor(&[("PATH", "/productpage")])],
+            ))
+            .await
+            .expect("answer")
+            .into_inner();
+        // envoyproxy/ratelimit adds no headers unless LIMIT_RESPONSE_HEADERS_ENABLED.
+        assert!(
+            response.response_headers_to_add.is_empty(),
+            "{:?}",
+            response.response_headers_to_add
+        );
+        answers.push(Code::try_from(response.overall_code).expect("a code"));
+    }
+    assert_eq!(answers, [Code::Ok, Code::OverLimit]);
+    // The counter is in REDIS_URL's Redis.
+    let keys = redis.cli(&["DBSIZE"]).expect("dbsize");
+    assert_ne!(keys, "0", "no key in Redis");
+    drop(client);
+
+    let status = rlsd.terminate(Duration::from_secs(10));
+    assert!(status.success(), "{status:?}");
+    let log = rlsd.log();
+    assert!(log.contains("store=\"redis\""), "{log}");
+    assert!(log.contains("data/ratelimit/config"), "{log}");
+}
+
+#[test]
+fn settings_it_cannot_honour_stop_the_start_by_name() {
+    let dir = installed(PRODUCTPAGE);
+    for (variable, value, said) in [
+        ("MERGE_DOMAIN_CONFIG", "true", "MERGE_DOMAIN_CONFIG=true"),
+        ("BACKEND_TYPE", "memcache", "BACKEND_TYPE=memcache"),
+        (
+            "LIMIT_LIMIT_HEADER",
+            "X-Limit",
+            "LIMIT_LIMIT_HEADER=X-Limit",
+        ),
+    ] {
+        let output = ratelimit(dir.path())
+            .env(variable, value)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ratelimit");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{variable}: started\n{stderr}");
+        assert!(
+            stderr.starts_with("ratelimit: ") && stderr.contains(said),
+            "{variable}: {stderr}"
+        );
+    }
+}
