@@ -288,6 +288,7 @@ fn init_logs(cli: &Cli) {
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load_path(path) {
         Ok(config) => {
+            config::warn_about_unread(path, &config);
             print!("{}", rlsd::http::describe(&config));
             println!("{}: {} domain(s) OK", path.display(), config.domains.len());
             ExitCode::SUCCESS
@@ -312,6 +313,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let loaded = config::load_path(&args.config)
         .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
     tracing::info!(path = %args.config.display(), domains = loaded.domains.len(), "config loaded");
+    config::warn_about_unread(&args.config, &loaded);
     let tls = tls_settings(&args)?;
     let threads = serving_threads(&args);
     let lanes = serving_lanes(&args);

@@ -72,6 +72,7 @@ impl Reloader {
         match config::load_path(&self.path) {
             Ok(loaded) => {
                 let domains = loaded.domains.len();
+                config::warn_about_unread(&self.path, &loaded);
                 self.config.store(Arc::new(loaded));
                 tracing::info!(path = %self.path.display(), domains, "config reloaded");
                 self.metrics.config_load_success.inc();

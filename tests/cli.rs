@@ -52,6 +52,30 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
     assert!(stderr.contains("unknown key 'colour'"), "{stderr}");
 }
 
+#[test]
+fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
+    // A directory written for envoyproxy/ratelimit, which reads files of any name.
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
+    let output = Command::new(RLSD)
+        .arg("check")
+        .arg("--config")
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("only *.yaml and *.yml files are config files")
+            && stderr.contains("limits.conf"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("no domain loaded: every request will be answered OK"),
+        "{stderr}"
+    );
+}
+
 /// Runs `rlsd serve` with `args` on loopback ports; asserts that it exits with an error without
 /// ever trying to bind, and returns what it printed to stderr.
 fn serve_refused(args: &[&std::ffi::OsStr]) -> String {

@@ -126,6 +126,54 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     }
 }
 
+/// Warns about what makes a loaded config limit less than its author may think: files in the
+/// directory `path` that are not read (visible regular files without a `.yaml` or `.yml`
+/// name), and a config with no domain at all, under which every request is answered OK.
+pub fn warn_about_unread(path: &Path, config: &Config) {
+    let unread = unread_files(path);
+    if !unread.is_empty() {
+        let names: Vec<String> = unread
+            .iter()
+            .map(|file| file.display().to_string())
+            .collect();
+        tracing::warn!(
+            path = %path.display(),
+            "not read, as only *.yaml and *.yml files are config files: {}",
+            names.join(", ")
+        );
+    }
+    if config.domains.is_empty() {
+        tracing::warn!(
+            path = %path.display(),
+            "no domain loaded: every request will be answered OK"
+        );
+    }
+}
+
+/// The visible regular files of the directory `path` that [`load_path`] does not read; none
+/// when `path` is a file or cannot be listed.
+pub fn unread_files(path: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(path) else {
+        return Vec::new();
+    };
+    let mut unread: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            !name.starts_with('.') && !is_config_name(&name)
+        })
+        .map(|entry| entry.path())
+        .filter(|path| fs::metadata(path).is_ok_and(|meta| meta.is_file()))
+        .collect();
+    unread.sort();
+    unread
+}
+
+fn is_config_name(name: &str) -> bool {
+    name.ends_with(".yaml") || name.ends_with(".yml")
+}
+
 /// The config files of a directory, sorted by name.
 fn list_dir(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     let entries = fs::read_dir(dir).map_err(|error| unreadable(dir, &error))?;
@@ -134,7 +182,7 @@ fn list_dir(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
         let entry = entry.map_err(|error| unreadable(dir, &error))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with('.') || !(name.ends_with(".yaml") || name.ends_with(".yml")) {
+        if name.starts_with('.') || !is_config_name(&name) {
             continue;
         }
         let path = entry.path();

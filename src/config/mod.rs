@@ -6,5 +6,7 @@ pub mod model;
 mod tests;
 mod yaml;
 
-pub use load::{ConfigError, ConfigErrors, config_files, load_path, load_str};
+pub use load::{
+    ConfigError, ConfigErrors, config_files, load_path, load_str, unread_files, warn_about_unread,
+};
 pub use model::{Config, Domain, KeyNodes, Level, Node, PlanTable, Policy, Wildcard};

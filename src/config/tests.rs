@@ -1378,6 +1378,21 @@ fn broken_symlink_is_an_error() {
 }
 
 #[test]
+fn unread_files_are_the_visible_files_without_a_yaml_name() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["a.yaml", "b.yml", "limits.conf", "README", ".hidden"] {
+        std::fs::write(dir.path().join(name), "domain: x\n").unwrap();
+    }
+    std::fs::create_dir(dir.path().join("nested")).unwrap();
+    let names: Vec<String> = super::unread_files(dir.path())
+        .iter()
+        .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["README", "limits.conf"]);
+    assert!(super::unread_files(&dir.path().join("a.yaml")).is_empty());
+}
+
+#[test]
 fn empty_directory_is_an_empty_config() {
     let dir = tempfile::tempdir().unwrap();
     assert!(load_path(dir.path()).unwrap().domains.is_empty());
