@@ -1063,12 +1063,23 @@ impl Walker<'_> {
         for key in LIMITED_ONLY_KEYS {
             if let Some((key_node, value)) = fields.get(key) {
                 // envoyproxy/ratelimit reads an empty or UNKNOWN unit as no unit, and tools
-                // that write its files from structs emit `unit: ""`.
-                if *key == "unit"
-                    && matches!(&value.value, Value::Str(unit)
-                        if unit.is_empty() || unit.eq_ignore_ascii_case("unknown"))
-                {
-                    continue;
+                // that write its files from structs emit `unit: ""`. Anything else that is no
+                // unit is reported as such, not as a unit given.
+                if *key == "unit" {
+                    let unit = match &value.value {
+                        Value::Str(unit) => Some(unit.as_str()),
+                        _ => None,
+                    };
+                    if unit
+                        .is_some_and(|unit| unit.is_empty() || unit.eq_ignore_ascii_case("unknown"))
+                    {
+                        continue;
+                    }
+                    if unit.and_then(Unit::parse).is_none() {
+                        self.unit(value);
+                        none = false;
+                        continue;
+                    }
                 }
                 let reason = match *key {
                     "unit" => "should not specify rate limit unit when unlimited".to_owned(),

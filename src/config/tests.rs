@@ -742,6 +742,19 @@ fn unlimited_with_an_empty_or_unknown_unit_loads() {
 }
 
 #[test]
+fn unlimited_with_a_unit_that_is_not_one_says_so() {
+    let yaml = "
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unlimited: true
+              unit: fortnight
+        ";
+    one_error(yaml, 6, "invalid rate limit unit 'fortnight'");
+}
+
+#[test]
 fn share_threshold_and_value_to_metric_load() {
     let domain = load(
         "

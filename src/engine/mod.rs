@@ -113,7 +113,9 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     };
 
     // Each descriptor's match, with the entries it is matched and keyed by (a lone API key
-    // gains its plan). Borrowed from the config: nothing per descriptor is allocated here.
+    // gains its plan). Borrowed from the config: nothing per descriptor is allocated here,
+    // unless metrics carry request values (`detailed_metric`, `value_to_metric`) or a
+    // `share_threshold` wildcard rewrites the entries.
     let matched: Vec<(Entries<'_>, Matched<'c>)> = request
         .descriptors
         .iter()
@@ -123,22 +125,19 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 return (entries, Matched::Override(limit));
             }
-            let (found, entries, value_path) = locate(domain, entries);
-            let matched = match found.map(|node| (node, &node.policy)) {
-                None | Some((_, None)) => Matched::Nothing,
-                Some((_, Some(Policy::Unlimited { name, replaces }))) => {
+            let located = locate(domain, &descriptor.entries, entries);
+            let matched = match (located.node.map(|node| &node.policy), located.path) {
+                (Some(Some(Policy::Unlimited { name, replaces })), _) => {
                     Matched::Unlimited(name.as_deref(), replaces)
                 }
-                Some((node, Some(Policy::Limits(limits)))) => {
-                    let path = if node.detailed_metric {
-                        Cow::Owned(detailed_path(&domain.name, &entries))
-                    } else {
-                        value_path.map_or(Cow::Borrowed(node.path.as_str()), Cow::Owned)
-                    };
-                    Matched::Limits(path, node, limits)
-                }
+                (Some(Some(Policy::Limits(limits))), Some(path)) => Matched::Limits(
+                    path,
+                    located.node.and_then(|node| node.layer.as_deref()),
+                    limits,
+                ),
+                _ => Matched::Nothing,
             };
-            (entries, matched)
+            (located.entries, matched)
         })
         .collect();
 
@@ -206,12 +205,12 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                 path: None,
                 layer: None,
             }),
-            Matched::Limits(path, node, limits) => {
+            Matched::Limits(path, layer, limits) => {
                 for limit in limits {
                     add(PlannedLimit {
                         limit: Cow::Borrowed(limit),
                         path: Some(path.clone()),
-                        layer: node.layer.as_deref(),
+                        layer,
                     });
                 }
             }
@@ -240,42 +239,83 @@ fn with_plan<'e>(domain: &Domain, entries: &'e [(String, String)]) -> Cow<'e, [(
 /// The entries a descriptor is matched and keyed by.
 type Entries<'r> = Cow<'r, [(String, String)]>;
 
-/// The node `entries` land on; the entries to key it by (a value matched by a
-/// `share_threshold` wildcard becomes the pattern, so all such values share one counter); and,
-/// in a domain with `value_to_metric`, the metric path with the values it asks for.
+/// Where a descriptor lands, and how its checks are keyed and counted.
+struct Located<'c, 'e> {
+    /// The node its last entry matched, if any.
+    node: Option<&'c Node>,
+    /// The entries to key it by: a value a `share_threshold` wildcard matched is the pattern,
+    /// so every such value draws on one counter.
+    entries: Entries<'e>,
+    /// The metric path, for a node with limits.
+    path: Option<Cow<'c, str>>,
+}
+
+/// Matches `entries` (the request's `own` entries, with a plan perhaps added) in `domain`.
 ///
-/// Domains without either option walk the tree once, as [`matcher::find`], and allocate
-/// nothing here.
+/// Domains without `share_threshold` and `value_to_metric` walk the tree once, as
+/// [`matcher::find`], and allocate only a `detailed_metric` path.
 fn locate<'c, 'e>(
     domain: &'c Domain,
+    own: &[(String, String)],
     entries: Entries<'e>,
-) -> (Option<&'c Node>, Entries<'e>, Option<String>) {
+) -> Located<'c, 'e> {
+    let counted = |node: &&Node| matches!(node.policy, Some(Policy::Limits(_)));
     if !domain.shares_thresholds && !domain.values_in_metrics {
-        return (matcher::find(&domain.root, &entries), entries, None);
+        let node = matcher::find(&domain.root, &entries);
+        let path = node.filter(counted).map(|node| {
+            if node.detailed_metric {
+                Cow::Owned(detailed_path(&domain.name, own))
+            } else {
+                Cow::Borrowed(node.path.as_str())
+            }
+        });
+        return Located {
+            node,
+            entries,
+            path,
+        };
     }
     let mut walked: Vec<&'c Node> = Vec::with_capacity(entries.len());
     let Some(node) = matcher::walk(&domain.root, &entries, |_, node| walked.push(node)) else {
-        return (None, entries, None);
+        return Located {
+            node: None,
+            entries,
+            path: None,
+        };
     };
-    let entries = if walked.iter().any(|node| node.shared_value.is_some()) {
-        let shared = entries
+    let shared = walked.iter().any(|node| node.shared_value.is_some());
+    let entries = if shared {
+        let rewritten = entries
             .iter()
             .zip(&walked)
             .map(|((key, value), node)| {
-                (
-                    key.clone(),
-                    node.shared_value.clone().unwrap_or_else(|| value.clone()),
-                )
+                let value = node.shared_value.as_ref().unwrap_or(value);
+                (key.clone(), value.clone())
             })
             .collect::<Vec<_>>();
-        Cow::Owned(shared)
+        Cow::Owned(rewritten)
     } else {
         entries
     };
-    let value_path = domain
-        .values_in_metrics
-        .then(|| value_path(&domain.name, &entries, &walked));
-    (Some(node), entries, value_path)
+    let path = counted(&node).then(|| {
+        if node.detailed_metric && shared {
+            Cow::Owned(shared_detailed_path(&domain.name, &entries))
+        } else if node.detailed_metric {
+            Cow::Owned(detailed_path(&domain.name, own))
+        } else if walked
+            .iter()
+            .any(|node| node.value_to_metric && node.shared_value.is_none())
+        {
+            Cow::Owned(value_path(&domain.name, &entries, &walked))
+        } else {
+            Cow::Borrowed(node.path.as_str())
+        }
+    });
+    Located {
+        node: Some(node),
+        entries,
+        path,
+    }
 }
 
 /// envoyproxy/ratelimit's metric path under `value_to_metric`: each entry as its node's own
@@ -310,6 +350,17 @@ fn detailed_path(domain: &str, entries: &[(String, String)]) -> String {
     path
 }
 
+/// The `detailed_metric` path when a `share_threshold` wildcard rewrote some values: theirs
+/// then writes an empty value as the bare `key`.
+fn shared_detailed_path(domain: &str, entries: &[(String, String)]) -> String {
+    let mut path = domain.to_owned();
+    for (key, value) in entries {
+        path.push('.');
+        push_entry(&mut path, key, value);
+    }
+    path
+}
+
 /// `key_value`, or `key` for an empty value, as envoyproxy/ratelimit writes an entry.
 fn push_entry(path: &mut String, key: &str, value: &str) {
     path.push_str(key);
@@ -322,8 +373,8 @@ fn push_entry(path: &mut String, key: &str, value: &str) {
 enum Matched<'c> {
     Nothing,
     Unlimited(Option<&'c str>, &'c [String]),
-    /// The node's limits, all of which apply, and their metric path.
-    Limits(Cow<'c, str>, &'c Node, &'c [Limit]),
+    /// The node's limits, all of which apply, with their metric path and the node's layer.
+    Limits(Cow<'c, str>, Option<&'c str>, &'c [Limit]),
     /// Envoy's own limit for the descriptor.
     Override(Limit),
 }

@@ -239,6 +239,17 @@ descriptors:
       - key: user
         value_to_metric: true
         rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: model
+    value: gpt-*
+    value_to_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: group
+    value: g*
+    share_threshold: true
+    descriptors:
+      - key: member
+        detailed_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 100}
   - key: route
     value_to_metric: true
     descriptors:
@@ -290,9 +301,13 @@ fn share_threshold_keys_every_value_its_wildcard_matches_as_the_pattern() {
     assert_eq!(t2, t1);
     assert_ne!(t3, t1);
     assert_eq!(t1_path, "d.tenant_t-*.user_alice");
-    // detailed_metric with share_threshold: the pattern, not the value.
+    // detailed_metric with share_threshold: the pattern, not the value; and then, as theirs
+    // writes it, an empty value as the bare key.
     let (_, detailed) = key_and_path(&[("path", "shared-x-detailed")]);
     assert_eq!(detailed, "d.path_shared*detailed");
+    let (key, detailed) = key_and_path(&[("group", "g7"), ("member", "")]);
+    assert_eq!(key, "rlsd:_:d:fw:3600:group=g*:member=");
+    assert_eq!(detailed, "d.group_g*.member");
 }
 
 #[test]
@@ -303,7 +318,48 @@ fn value_to_metric_puts_the_values_it_names_in_the_metric_path() {
     assert_eq!(path, "d.path_/api/v1");
     // An exact node is already labelled with its value.
     assert_eq!(key_and_path(&[("path", "exact")]).1, "d.path_exact");
+    // A wildcard that is not shared shows the value when asked to.
+    assert_eq!(key_and_path(&[("model", "gpt-5")]).1, "d.model_gpt-5");
     // Only the levels that ask: route's value, method as the bare key, user's pattern.
     let (_, path) = key_and_path(&[("route", "/login"), ("method", "POST"), ("user", "u42")]);
     assert_eq!(path, "d.route_/login.method.user_u*");
+}
+
+#[test]
+fn detailed_metric_paths_carry_the_requests_own_entries() {
+    // With a plans table the descriptor is matched as [plan, api_key], but the detailed path
+    // stays the request's own entries (an empty value keeps its `_`, as theirs writes it).
+    let domain = load_str(
+        "plans.yaml",
+        r#"
+domain: d
+plans: {from: api_key, entry: plan, default: pro, keys: {k1: pro}}
+descriptors:
+  - key: plan
+    value: pro
+    descriptors:
+      - key: api_key
+        detailed_metric: true
+        rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: tenant
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+"#,
+    )
+    .expect("valid config");
+    let mut config = Config::default();
+    config.domains.insert(domain.name.clone(), domain);
+    let path_of = |pairs: &[(&str, &str)]| {
+        let descriptor = Descriptor {
+            entries: entries(pairs),
+            ..Default::default()
+        };
+        let plan = plan_one(&config, descriptor, 0);
+        plan.limits[0].path.as_deref().map(str::to_owned)
+    };
+    assert_eq!(
+        path_of(&[("api_key", "k1")]).as_deref(),
+        Some("d.api_key_k1")
+    );
+    assert_eq!(path_of(&[("tenant", "")]).as_deref(), Some("d.tenant_"));
 }
