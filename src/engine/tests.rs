@@ -48,7 +48,12 @@ descriptors:
 "#;
 
 fn config() -> Config {
-    let domain = load_str("tree.yaml", TREE).expect("valid tree");
+    config_of(TREE)
+}
+
+/// A config of the one domain `yaml` defines.
+fn config_of(yaml: &str) -> Config {
+    let domain = load_str("test.yaml", yaml).expect("valid config");
     let mut config = Config::default();
     config.domains.insert(domain.name.clone(), domain);
     config
@@ -262,9 +267,7 @@ descriptors:
 
 /// The store key and metric path of the one check a descriptor of `SHARING` plans.
 fn key_and_path(pairs: &[(&str, &str)]) -> (String, String) {
-    let domain = load_str("sharing.yaml", SHARING).expect("valid config");
-    let mut config = Config::default();
-    config.domains.insert(domain.name.clone(), domain);
+    let config = config_of(SHARING);
     let descriptor = Descriptor {
         entries: entries(pairs),
         ..Default::default()
@@ -329,8 +332,7 @@ fn value_to_metric_puts_the_values_it_names_in_the_metric_path() {
 fn detailed_metric_paths_carry_the_requests_own_entries() {
     // With a plans table the descriptor is matched as [plan, api_key], but the detailed path
     // stays the request's own entries (an empty value keeps its `_`, as theirs writes it).
-    let domain = load_str(
-        "plans.yaml",
+    let config = config_of(
         r#"
 domain: d
 plans: {from: api_key, entry: plan, default: pro, keys: {k1: pro}}
@@ -345,10 +347,7 @@ descriptors:
     detailed_metric: true
     rate_limit: {unit: minute, requests_per_unit: 10}
 "#,
-    )
-    .expect("valid config");
-    let mut config = Config::default();
-    config.domains.insert(domain.name.clone(), domain);
+    );
     let path_of = |pairs: &[(&str, &str)]| {
         let descriptor = Descriptor {
             entries: entries(pairs),
