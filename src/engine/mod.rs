@@ -254,27 +254,43 @@ struct Located<'c, 'e> {
 ///
 /// Domains without `share_threshold` and `value_to_metric` walk the tree once, as
 /// [`matcher::find`], and allocate only a `detailed_metric` path.
+#[inline]
 fn locate<'c, 'e>(
     domain: &'c Domain,
     own: &[(String, String)],
     entries: Entries<'e>,
 ) -> Located<'c, 'e> {
-    let counted = |node: &&Node| matches!(node.policy, Some(Policy::Limits(_)));
-    if !domain.shares_thresholds && !domain.values_in_metrics {
-        let node = matcher::find(&domain.root, &entries);
-        let path = node.filter(counted).map(|node| {
-            if node.detailed_metric {
-                Cow::Owned(detailed_path(&domain.name, own))
-            } else {
-                Cow::Borrowed(node.path.as_str())
-            }
-        });
-        return Located {
-            node,
-            entries,
-            path,
-        };
+    if domain.shares_thresholds || domain.values_in_metrics {
+        return locate_walking(domain, own, entries);
     }
+    let node = matcher::find(&domain.root, &entries);
+    let path = node.filter(|node| counted(node)).map(|node| {
+        if node.detailed_metric {
+            Cow::Owned(detailed_path(&domain.name, own))
+        } else {
+            Cow::Borrowed(node.path.as_str())
+        }
+    });
+    Located {
+        node,
+        entries,
+        path,
+    }
+}
+
+/// Whether a descriptor landing on `node` is checked and counted.
+fn counted(node: &Node) -> bool {
+    matches!(node.policy, Some(Policy::Limits(_)))
+}
+
+/// [`locate`] in a domain with `share_threshold` or `value_to_metric`: the walk records every
+/// node it passes, since both options act on the nodes above the last one.
+#[inline(never)]
+fn locate_walking<'c, 'e>(
+    domain: &'c Domain,
+    own: &[(String, String)],
+    entries: Entries<'e>,
+) -> Located<'c, 'e> {
     let mut walked: Vec<&'c Node> = Vec::with_capacity(entries.len());
     let Some(node) = matcher::walk(&domain.root, &entries, |_, node| walked.push(node)) else {
         return Located {
@@ -297,7 +313,7 @@ fn locate<'c, 'e>(
     } else {
         entries
     };
-    let path = counted(&node).then(|| {
+    let path = counted(node).then(|| {
         if node.detailed_metric && shared {
             Cow::Owned(shared_detailed_path(&domain.name, &entries))
         } else if node.detailed_metric {
