@@ -255,7 +255,7 @@ fn main() -> ExitCode {
 
 /// The command line; or, run as `ratelimit` (the image's `/bin/ratelimit`), `rlsd serve` with
 /// the flags envoyproxy/ratelimit's environment variables mean, and notes to log about them.
-fn parse_command_line() -> Result<(Cli, Vec<String>), rlsd::ratelimit_env::EnvError> {
+fn parse_command_line() -> Result<(Cli, Vec<String>), String> {
     let mut args = std::env::args_os();
     let program = args.next().unwrap_or_default();
     let as_ratelimit = std::path::Path::new(&program)
@@ -264,11 +264,31 @@ fn parse_command_line() -> Result<(Cli, Vec<String>), rlsd::ratelimit_env::EnvEr
     if !as_ratelimit || args.next().is_some() {
         return Ok((Cli::parse(), Vec::new()));
     }
-    let flags = rlsd::ratelimit_env::serve_flags(|name| std::env::var(name).ok())?;
+    let flags = rlsd::ratelimit_env::serve_flags(|name| std::env::var(name).ok())
+        .map_err(|error| error.to_string())?;
     let command_line = ["rlsd".to_owned(), "serve".to_owned()]
         .into_iter()
-        .chain(flags.args);
-    Ok((Cli::parse_from(command_line), flags.notes))
+        .chain(flags.args.iter().cloned());
+    // The flags came from the environment: say so, and which flags, when one is refused (the
+    // Redis URL may hold a password, so not that one).
+    let cli = Cli::try_parse_from(command_line).map_err(|error| {
+        let shown: Vec<&str> = flags
+            .args
+            .iter()
+            .map(|arg| {
+                if arg.starts_with("--redis-url=") {
+                    "--redis-url=(hidden)"
+                } else {
+                    arg
+                }
+            })
+            .collect();
+        format!(
+            "the environment's settings as rlsd flags ({}) were refused: {error}",
+            shown.join(" ")
+        )
+    })?;
+    Ok((cli, flags.notes))
 }
 
 fn init_logs(cli: &Cli) {

@@ -47,15 +47,15 @@ pub struct ServeFlags {
 }
 
 impl ServeFlags {
-    /// Appends `--name value`.
+    /// Appends `--name=value`: one argument, so a value starting with `-` stays a value.
     fn flag(&mut self, name: &str, value: String) {
-        self.args.push(format!("--{name}"));
-        self.args.push(value);
+        self.args.push(format!("--{name}={value}"));
     }
 }
 
-/// Reads envoyproxy/ratelimit's variables through `var` (unset and empty are the same, as
-/// there) and returns the `rlsd serve` flags that mean the same.
+/// Reads envoyproxy/ratelimit's variables through `var` and returns the `rlsd serve` flags that
+/// mean the same. An empty variable counts as unset (theirs refuses some empty values; taking
+/// the default is the kinder reading).
 ///
 /// # Errors
 /// When a variable asks for something rlsd does not do, or has a malformed value.
@@ -77,8 +77,21 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     }
     flags.flag("config", config.display().to_string());
 
-    let host_port = |host: &str, port: &'static str, default_port: &str| {
-        let host = get(host).unwrap_or("0.0.0.0".into());
+    let host_port = |host_variable: &'static str, port: &'static str, default_port: &str| {
+        let host = match get(host_variable) {
+            None => "0.0.0.0".to_owned(),
+            // rlsd binds addresses, not names; this one name means loopback everywhere.
+            Some(name) if name.eq_ignore_ascii_case("localhost") => "127.0.0.1".to_owned(),
+            Some(host)
+                if host
+                    .trim_matches(['[', ']'])
+                    .parse::<std::net::IpAddr>()
+                    .is_ok() =>
+            {
+                host
+            }
+            Some(host) => return Err(invalid(host_variable, &host, "an IP address or localhost")),
+        };
         let number = get(port).unwrap_or(default_port.into());
         if number.parse::<u16>().is_err() {
             return Err(invalid(port, &number, "a port number"));
@@ -90,13 +103,19 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
             format!("{host}:{number}")
         })
     };
-    flags.flag("grpc-addr", host_port("GRPC_HOST", "GRPC_PORT", "8081")?);
     flags.flag("http-addr", host_port("HOST", "PORT", "8080")?);
-    if let Some(path) = get("GRPC_UDS") {
-        flags.flag("grpc-unix-socket", path);
-        flags
-            .notes
-            .push("GRPC_UDS: gRPC is served on the socket and on GRPC_HOST:GRPC_PORT".into());
+    match get("GRPC_UDS") {
+        // Theirs then serves gRPC on the socket alone. rlsd always has a TCP listener too, so
+        // it gets a random loopback port, not GRPC_HOST:GRPC_PORT on the network.
+        Some(path) => {
+            flags.flag("grpc-unix-socket", path);
+            flags.flag("grpc-addr", "127.0.0.1:0".into());
+            flags.notes.push(
+                "GRPC_UDS: gRPC is also served on a random loopback port (rlsd always listens on TCP)"
+                    .into(),
+            );
+        }
+        None => flags.flag("grpc-addr", host_port("GRPC_HOST", "GRPC_PORT", "8081")?),
     }
 
     if let Some(level) = get("LOG_LEVEL") {
@@ -139,6 +158,9 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     redis(&get, &mut flags)?;
 
     if let Some(ratio) = get("NEAR_LIMIT_RATIO") {
+        if !ratio.parse::<f64>().is_ok_and(|r| (0.0..=1.0).contains(&r)) {
+            return Err(invalid("NEAR_LIMIT_RATIO", &ratio, "a number from 0 to 1"));
+        }
         flags.flag("near-limit-ratio", ratio);
     }
     if let Some(prefix) = get("CACHE_KEY_PREFIX") {
@@ -195,7 +217,8 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         }
     }
 
-    if boolean("USE_STATSD", get("USE_STATSD"))? {
+    // Theirs sends statsd unless told not to.
+    if get("USE_STATSD").is_none() || boolean("USE_STATSD", get("USE_STATSD"))? {
         flags
             .notes
             .push("USE_STATSD: rlsd sends no statsd; Prometheus metrics are on /metrics".into());
@@ -244,11 +267,18 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
     }
     let userinfo = auth.as_deref().map(userinfo).unwrap_or_default();
     let kind = get("REDIS_TYPE").unwrap_or("SINGLE".into());
-    match (
-        kind.to_ascii_uppercase().as_str(),
-        socket.to_ascii_lowercase().as_str(),
-    ) {
-        ("SINGLE", "tcp") => flags.flag("redis-url", format!("{scheme}://{userinfo}{url}")),
+    // A REDIS_URL with a scheme is a URL already (theirs accepts those too).
+    let with_scheme = |node: &str| {
+        if node.contains("://") {
+            node.to_owned()
+        } else {
+            format!("{scheme}://{userinfo}{node}")
+        }
+    };
+    let kind = kind.to_ascii_uppercase();
+    let socket = socket.to_ascii_lowercase();
+    match (kind.as_str(), socket.as_str()) {
+        ("SINGLE", "tcp") => flags.flag("redis-url", with_scheme(&url)),
         ("SINGLE", "unix") => {
             if tls {
                 return Err(invalid(
@@ -262,19 +292,32 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
                 Some(None) => format!("?pass={}", encode(auth.as_deref().unwrap_or_default())),
                 Some(Some((user, pass))) => format!("?user={}&pass={}", encode(user), encode(pass)),
             };
-            flags.flag("redis-url", format!("redis+unix://{url}{query}"));
+            flags.flag(
+                "redis-url",
+                format!("redis+unix://{}{query}", encode_path(&url)),
+            );
         }
-        ("CLUSTER", "tcp") => {
+        // Theirs dials TCP for a cluster or Sentinel whatever REDIS_SOCKET_TYPE says.
+        ("CLUSTER", _) => {
             let nodes: Vec<String> = url
                 .split(',')
                 .map(str::trim)
                 .filter(|node| !node.is_empty())
-                .map(|node| format!("{scheme}://{userinfo}{node}"))
+                .map(with_scheme)
                 .collect();
             flags.flag("redis-mode", "cluster".into());
             flags.flag("redis-url", nodes.join(","));
         }
-        ("SENTINEL", "tcp") => {
+        ("SENTINEL", _) => {
+            if tls {
+                // Theirs speaks TLS to the master and plain TCP to the Sentinels; rlsd's
+                // Sentinel link cannot yet be told that.
+                return Err(EnvError::Unsupported {
+                    variable: "REDIS_TLS",
+                    value: "true".into(),
+                    reason: "rlsd reaches a Sentinel-managed master without TLS",
+                });
+            }
             for (variable, value) in [
                 ("REDIS_AUTH", auth.as_deref()),
                 ("REDIS_SENTINEL_AUTH", get("REDIS_SENTINEL_AUTH").as_deref()),
@@ -293,7 +336,7 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
                 .map(str::trim)
                 .filter(|part| !part.is_empty());
             let master = parts.next().unwrap_or_default().to_owned();
-            let sentinels: Vec<String> = parts.map(|node| format!("{scheme}://{node}")).collect();
+            let sentinels: Vec<String> = parts.map(with_scheme).collect();
             if master.is_empty() || sentinels.is_empty() {
                 return Err(invalid(
                     "REDIS_URL",
@@ -305,19 +348,8 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
             flags.flag("redis-master-name", master);
             flags.flag("redis-url", sentinels.join(","));
         }
-        (_, "tcp" | "unix")
-            if matches!(kind.to_ascii_uppercase().as_str(), "CLUSTER" | "SENTINEL") =>
-        {
-            return Err(invalid(
-                "REDIS_SOCKET_TYPE",
-                &socket,
-                "tcp with REDIS_TYPE=CLUSTER or SENTINEL",
-            ));
-        }
-        (_, "tcp" | "unix") => {
-            return Err(invalid("REDIS_TYPE", &kind, "SINGLE, CLUSTER or SENTINEL"));
-        }
-        _ => return Err(invalid("REDIS_SOCKET_TYPE", &socket, "tcp or unix")),
+        ("SINGLE", _) => return Err(invalid("REDIS_SOCKET_TYPE", &socket, "tcp or unix")),
+        _ => return Err(invalid("REDIS_TYPE", &kind, "SINGLE, CLUSTER or SENTINEL")),
     }
     Ok(())
 }
@@ -328,6 +360,19 @@ fn userinfo(auth: &str) -> String {
         Some((user, password)) => format!("{}:{}@", encode(user), encode(password)),
         None => format!(":{}@", encode(auth)),
     }
+}
+
+/// A socket path for a `redis+unix://` URL: `%`, `?`, `#` and spaces percent-encoded, so the URL
+/// parser reads them as part of the path.
+fn encode_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for c in path.chars() {
+        match c {
+            '%' | '?' | '#' | ' ' => out.push_str(&format!("%{:02X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// Percent-encodes all but RFC 3986's unreserved characters, for a URL's userinfo or query.

@@ -66,7 +66,7 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
     assert!(output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("only *.yaml and *.yml files are config files")
+        stderr.contains("only *.yaml and *.yml files at the top level are config files")
             && stderr.contains("limits.conf"),
         "{stderr}"
     );

@@ -118,11 +118,7 @@ fn settings_it_cannot_honour_stop_the_start_by_name() {
             "LIMIT_LIMIT_HEADER=X-Limit",
         ),
     ] {
-        let output = ratelimit(dir.path())
-            .env(variable, value)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run ratelimit");
+        let output = exit_of(ratelimit(dir.path()).env(variable, value));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{variable}: started\n{stderr}");
         assert!(
@@ -130,4 +126,28 @@ fn settings_it_cannot_honour_stop_the_start_by_name() {
             "{variable}: {stderr}"
         );
     }
+}
+
+/// Runs `command` to its exit, which must come within 20 s (a refusal that broke would leave
+/// rlsd serving): killed and failed otherwise.
+fn exit_of(command: &mut std::process::Command) -> std::process::Output {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ratelimit");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("child status").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("output");
+            panic!(
+                "still running after 20 s:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("output")
 }

@@ -126,9 +126,10 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     }
 }
 
-/// Warns about what makes a loaded config limit less than its author may think: files in the
-/// directory `path` that are not read (visible regular files without a `.yaml` or `.yml`
-/// name), and a config with no domain at all, under which every request is answered OK.
+/// Warns about what makes a loaded config limit less than its author may think: entries of the
+/// directory `path` that are not read (visible files without a `.yaml` or `.yml` name, and
+/// subdirectories), and a config with no domain at all, under which every request is answered
+/// OK.
 pub fn warn_about_unread(path: &Path, config: &Config) {
     let unread = unread_files(path);
     if !unread.is_empty() {
@@ -138,7 +139,7 @@ pub fn warn_about_unread(path: &Path, config: &Config) {
             .collect();
         tracing::warn!(
             path = %path.display(),
-            "not read, as only *.yaml and *.yml files are config files: {}",
+            "not read, as only *.yaml and *.yml files at the top level are config files: {}",
             names.join(", ")
         );
     }
@@ -150,21 +151,21 @@ pub fn warn_about_unread(path: &Path, config: &Config) {
     }
 }
 
-/// The visible regular files of the directory `path` that [`load_path`] does not read; none
-/// when `path` is a file or cannot be listed.
+/// The visible entries of the directory `path` that [`load_path`] does not read (files without
+/// a config name, and subdirectories); none when `path` is a file or cannot be listed.
 pub fn unread_files(path: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(path) else {
         return Vec::new();
     };
     let mut unread: Vec<PathBuf> = entries
         .filter_map(Result::ok)
-        .filter(|entry| {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            !name.starts_with('.') && !is_config_name(&name)
-        })
+        .filter(|entry| !entry.file_name().to_string_lossy().starts_with('.'))
         .map(|entry| entry.path())
-        .filter(|path| fs::metadata(path).is_ok_and(|meta| meta.is_file()))
+        .filter(|path| match fs::metadata(path) {
+            Ok(meta) if meta.is_dir() => true,
+            Ok(meta) => meta.is_file() && !is_config_name(&path.to_string_lossy()),
+            Err(_) => false,
+        })
         .collect();
     unread.sort();
     unread

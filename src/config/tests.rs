@@ -1391,7 +1391,7 @@ fn broken_symlink_is_an_error() {
 }
 
 #[test]
-fn unread_files_are_the_visible_files_without_a_yaml_name() {
+fn unread_files_are_the_visible_files_without_a_yaml_name_and_subdirectories() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["a.yaml", "b.yml", "limits.conf", "README", ".hidden"] {
         std::fs::write(dir.path().join(name), "domain: x\n").unwrap();
@@ -1401,7 +1401,7 @@ fn unread_files_are_the_visible_files_without_a_yaml_name() {
         .iter()
         .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["README", "limits.conf"]);
+    assert_eq!(names, ["README", "limits.conf", "nested"]);
     assert!(super::unread_files(&dir.path().join("a.yaml")).is_empty());
 }
 

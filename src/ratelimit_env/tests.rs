@@ -11,13 +11,11 @@ fn read(vars: &[(&str, &str)]) -> Result<ServeFlags, EnvError> {
 
 /// The value given to `--name`, if the flags have it.
 fn value<'f>(flags: &'f ServeFlags, name: &str) -> Option<&'f str> {
-    let flag = format!("--{name}");
+    let flag = format!("--{name}=");
     flags
         .args
         .iter()
-        .position(|arg| *arg == flag)
-        .and_then(|at| flags.args.get(at + 1))
-        .map(String::as_str)
+        .find_map(|arg| arg.strip_prefix(flag.as_str()))
 }
 
 #[test]
@@ -74,13 +72,31 @@ fn ports_hosts_and_the_unix_socket() {
     ])
     .expect("supported");
     assert_eq!(value(&flags, "http-addr"), Some("127.0.0.1:9080"));
-    assert_eq!(value(&flags, "grpc-addr"), Some("[::1]:9081"));
+    // Theirs serves gRPC on the socket alone: TCP moves to a random loopback port.
+    assert_eq!(value(&flags, "grpc-addr"), Some("127.0.0.1:0"));
     assert_eq!(value(&flags, "grpc-unix-socket"), Some("/run/rl.sock"));
     assert_eq!(
         value(&flags, "config"),
         Some("/srv/runtime_data/current/limits")
     );
-    assert_eq!(flags.notes.len(), 1);
+    // GRPC_UDS, and statsd (on unless USE_STATSD says otherwise).
+    assert_eq!(flags.notes.len(), 2, "{:?}", flags.notes);
+    let tcp = read(&[
+        ("GRPC_HOST", "::1"),
+        ("GRPC_PORT", "9081"),
+        ("HOST", "localhost"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&tcp, "grpc-addr"), Some("[::1]:9081"));
+    assert_eq!(value(&tcp, "http-addr"), Some("127.0.0.1:8080"));
+    assert_eq!(
+        read(&[("HOST", "ratelimit.example")]),
+        Err(EnvError::Invalid {
+            variable: "HOST",
+            value: "ratelimit.example".into(),
+            expected: "an IP address or localhost"
+        })
+    );
     assert_eq!(
         read(&[("GRPC_PORT", "80a")]),
         Err(EnvError::Invalid {
@@ -122,12 +138,21 @@ fn redis_auth_tls_cluster_and_sentinel() {
         value(&unix, "redis-url"),
         Some("redis+unix:///run/redis.sock?pass=secret")
     );
-    let cluster = read(&[
-        ("REDIS_TYPE", "cluster"),
+    let odd_path = read(&[("REDIS_URL", "/run/a b?#%.sock")]).expect("supported");
+    assert_eq!(
+        value(&odd_path, "redis-url"),
+        Some("redis+unix:///run/a%20b%3F%23%25.sock")
+    );
+    // A URL is taken as it is.
+    let url = read(&[
         ("REDIS_SOCKET_TYPE", "tcp"),
-        ("REDIS_URL", "a:7000, b:7001"),
+        ("REDIS_URL", "redis://:pw@redis:6379/2"),
     ])
     .expect("supported");
+    assert_eq!(value(&url, "redis-url"), Some("redis://:pw@redis:6379/2"));
+    // Theirs dials TCP for a cluster or Sentinel whatever REDIS_SOCKET_TYPE (unix by default).
+    let cluster =
+        read(&[("REDIS_TYPE", "cluster"), ("REDIS_URL", "a:7000, b:7001")]).expect("supported");
     assert_eq!(value(&cluster, "redis-mode"), Some("cluster"));
     assert_eq!(
         value(&cluster, "redis-url"),
@@ -135,7 +160,6 @@ fn redis_auth_tls_cluster_and_sentinel() {
     );
     let sentinel = read(&[
         ("REDIS_TYPE", "SENTINEL"),
-        ("REDIS_SOCKET_TYPE", "tcp"),
         ("REDIS_URL", "mymaster,s1:26379,s2:26379"),
     ])
     .expect("supported");
@@ -170,7 +194,7 @@ fn headers_follow_limit_response_headers_enabled() {
 fn tuning_variables_map_to_flags() {
     let flags = read(&[
         ("NEAR_LIMIT_RATIO", "0.9"),
-        ("CACHE_KEY_PREFIX", "edge_"),
+        ("CACHE_KEY_PREFIX", "-edge_"),
         ("SHADOW_MODE", "true"),
         ("LOG_LEVEL", "WARNING"),
         ("LOG_FORMAT", "json"),
@@ -183,7 +207,8 @@ fn tuning_variables_map_to_flags() {
     ])
     .expect("supported");
     assert_eq!(value(&flags, "near-limit-ratio"), Some("0.9"));
-    assert_eq!(value(&flags, "key-prefix"), Some("edge_"));
+    // One argument each, so a value starting with `-` is not taken for a flag.
+    assert!(flags.args.iter().any(|arg| arg == "--key-prefix=-edge_"));
     assert!(flags.args.iter().any(|arg| arg == "--shadow-mode"));
     assert_eq!(value(&flags, "log-level"), Some("warn"));
     assert_eq!(value(&flags, "log-format"), Some("json"));
@@ -212,9 +237,14 @@ fn what_would_change_the_answers_is_refused_by_name() {
         (&[("REDIS_SOCKET_TYPE", "udp")], "REDIS_SOCKET_TYPE"),
         (&[("SHADOW_MODE", "yes")], "SHADOW_MODE"),
         (&[("LOG_LEVEL", "loud")], "LOG_LEVEL"),
+        (&[("NEAR_LIMIT_RATIO", "1.5")], "NEAR_LIMIT_RATIO"),
         (
-            &[("REDIS_TYPE", "CLUSTER"), ("REDIS_URL", "/run/redis.sock")],
-            "REDIS_SOCKET_TYPE",
+            &[
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", "m,s1:26379"),
+                ("REDIS_TLS", "true"),
+            ],
+            "REDIS_TLS",
         ),
         (
             &[
