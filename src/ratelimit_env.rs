@@ -7,6 +7,7 @@
 //! honour stops the start with an error naming it; one that only tunes envoyproxy/ratelimit's
 //! own machinery is ignored, with a note where an operator would expect an effect.
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 /// The file name under which the binary reads these variables instead of its arguments.
@@ -78,30 +79,21 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     flags.flag("config", config.display().to_string());
 
     let host_port = |host_variable: &'static str, port: &'static str, default_port: &str| {
-        let host = match get(host_variable) {
-            None => "0.0.0.0".to_owned(),
+        let ip = match get(host_variable) {
+            None => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             // rlsd binds addresses, not names; this one name means loopback everywhere.
-            Some(name) if name.eq_ignore_ascii_case("localhost") => "127.0.0.1".to_owned(),
-            Some(host)
-                if host
-                    .trim_matches(['[', ']'])
-                    .parse::<std::net::IpAddr>()
-                    .is_ok() =>
-            {
-                host
-            }
-            Some(host) => return Err(invalid(host_variable, &host, "an IP address or localhost")),
+            Some(name) if name.eq_ignore_ascii_case("localhost") => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            Some(host) => host
+                .trim_matches(['[', ']'])
+                .parse()
+                .map_err(|_| invalid(host_variable, &host, "an IP address or localhost"))?,
         };
         let number = get(port).unwrap_or(default_port.into());
-        if number.parse::<u16>().is_err() {
-            return Err(invalid(port, &number, "a port number"));
-        }
-        // An IPv6 literal needs brackets before the port.
-        Ok(if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{number}")
-        } else {
-            format!("{host}:{number}")
-        })
+        let number: u16 = number
+            .parse()
+            .map_err(|_| invalid(port, &number, "a port number"))?;
+        // Display brackets an IPv6 address before the port.
+        Ok(SocketAddr::new(ip, number).to_string())
     };
     flags.flag("http-addr", host_port("HOST", "PORT", "8080")?);
     match get("GRPC_UDS") {
@@ -182,11 +174,11 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         if let Some(name) = get(variable)
             && !name.eq_ignore_ascii_case(default)
         {
-            return Err(EnvError::Unsupported {
+            return Err(unsupported(
                 variable,
-                value: name,
-                reason: "rlsd's header names are fixed (--headers ratelimit sends RateLimit-*)",
-            });
+                name,
+                "rlsd's header names are fixed (--headers ratelimit sends RateLimit-*)",
+            ));
         }
     }
     flags.flag(
@@ -209,11 +201,11 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
             flags.flag("tls-client-ca", ca);
         }
         if let Some(san) = get("GRPC_CLIENT_TLS_SAN") {
-            return Err(EnvError::Unsupported {
-                variable: "GRPC_CLIENT_TLS_SAN",
-                value: san,
-                reason: "rlsd accepts any client certificate its CA signed",
-            });
+            return Err(unsupported(
+                "GRPC_CLIENT_TLS_SAN",
+                san,
+                "rlsd accepts any client certificate its CA signed",
+            ));
         }
     }
 
@@ -240,22 +232,22 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
     let auth = get("REDIS_AUTH");
     for variable in ["REDIS_TLS_CLIENT_CERT", "REDIS_TLS_CLIENT_KEY"] {
         if let Some(value) = get(variable) {
-            return Err(EnvError::Unsupported {
+            return Err(unsupported(
                 variable,
                 value,
-                reason: "rlsd does not present a client certificate to Redis",
-            });
+                "rlsd does not present a client certificate to Redis",
+            ));
         }
     }
     if boolean(
         "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
         get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
     )? {
-        return Err(EnvError::Unsupported {
-            variable: "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
-            value: "true".into(),
-            reason: "rlsd always verifies Redis's certificate; give its CA with REDIS_TLS_CACERT",
-        });
+        return Err(unsupported(
+            "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+            "true",
+            "rlsd always verifies Redis's certificate; give its CA with REDIS_TLS_CACERT",
+        ));
     }
     if let Some(ca) = get("REDIS_TLS_CACERT") {
         flags.flag("redis-ca", ca);
@@ -312,23 +304,23 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
             if tls {
                 // Theirs speaks TLS to the master and plain TCP to the Sentinels; rlsd's
                 // Sentinel link cannot yet be told that.
-                return Err(EnvError::Unsupported {
-                    variable: "REDIS_TLS",
-                    value: "true".into(),
-                    reason: "rlsd reaches a Sentinel-managed master without TLS",
-                });
+                return Err(unsupported(
+                    "REDIS_TLS",
+                    "true",
+                    "rlsd reaches a Sentinel-managed master without TLS",
+                ));
             }
             for (variable, value) in [
                 ("REDIS_AUTH", auth.as_deref()),
                 ("REDIS_SENTINEL_AUTH", get("REDIS_SENTINEL_AUTH").as_deref()),
             ] {
                 if value.is_some() {
-                    return Err(EnvError::Unsupported {
+                    // A password stays out of the logs.
+                    return Err(unsupported(
                         variable,
-                        // A password stays out of the logs.
-                        value: "(set)".into(),
-                        reason: "rlsd reaches Sentinel without passwords",
-                    });
+                        "(set)",
+                        "rlsd reaches Sentinel without passwords",
+                    ));
                 }
             }
             let mut parts = url
@@ -406,11 +398,9 @@ fn refuse_unless(
     reason: &'static str,
 ) -> Result<(), EnvError> {
     match value {
-        Some(value) if !value.eq_ignore_ascii_case(supported) => Err(EnvError::Unsupported {
-            variable,
-            value,
-            reason,
-        }),
+        Some(value) if !value.eq_ignore_ascii_case(supported) => {
+            Err(unsupported(variable, value, reason))
+        }
         _ => Ok(()),
     }
 }
@@ -422,13 +412,17 @@ fn refuse_if_true(
     reason: &'static str,
 ) -> Result<(), EnvError> {
     if boolean(variable, value)? {
-        return Err(EnvError::Unsupported {
-            variable,
-            value: "true".into(),
-            reason,
-        });
+        return Err(unsupported(variable, "true", reason));
     }
     Ok(())
+}
+
+fn unsupported(variable: &'static str, value: impl Into<String>, reason: &'static str) -> EnvError {
+    EnvError::Unsupported {
+        variable,
+        value: value.into(),
+        reason,
+    }
 }
 
 fn invalid(variable: &'static str, value: &str, expected: &'static str) -> EnvError {
