@@ -59,6 +59,8 @@
 //!
 //!    With `RLSD_BENCH_UNIX=1` every rlsd also listens on a Unix socket (`--grpc-unix-socket`)
 //!    and the lean client's phases reach it there; the rest stays on TCP.
+//!    `RLSD_BENCH_TRACE=<file>` writes one line per answer of the lean client's phases:
+//!    completion time since the phase began, latency and pacing lag, all in µs (to find stalls).
 //! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape: `single`
 //!    with the tonic client, `raw-single` with the lean one.
 //!
@@ -1190,12 +1192,22 @@ fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> 
     let mut lag_us = Vec::new();
     let mut counts = Counts::default();
     let paced = load.rate.is_some();
+    let trace_to = std::env::var("RLSD_BENCH_TRACE").ok();
+    let mut trace: Vec<(u32, u32, u32)> = Vec::new();
+    let trace_start = Instant::now();
     let run = std::thread::scope(|scope| {
         std::thread::Builder::new()
             .name("bench-client-raw".to_owned())
             .spawn_scoped(scope, || {
                 rawh2::run(addr, &bodies, &load, cpu_now, |done| {
                     latencies_us.push(done.latency_us);
+                    if trace_to.is_some() {
+                        trace.push((
+                            trace_start.elapsed().as_micros() as u32,
+                            done.latency_us,
+                            done.lag_us,
+                        ));
+                    }
                     if paced {
                         lag_us.push(done.lag_us);
                     }
@@ -1211,6 +1223,13 @@ fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> 
             .expect("raw client")
     })
     .unwrap_or_else(|error| panic!("raw client on {addr}: {error}"));
+    if let Some(path) = &trace_to {
+        let text: String = trace
+            .iter()
+            .map(|(at, us, lag)| format!("{at} {us} {lag}\n"))
+            .collect();
+        std::fs::write(path, text).expect("RLSD_BENCH_TRACE");
+    }
     if run.unanswered > 0 {
         counts.errors += run.unanswered as u64;
         counts
@@ -1374,6 +1393,11 @@ struct Plotted {
 }
 
 fn main() {
+    // As `rlsd serve` does (the servers' lanes run in this process); `RLSD_BENCH_THP=1` keeps
+    // transparent huge pages on, as `--transparent-huge-pages` does.
+    if std::env::var("RLSD_BENCH_THP").as_deref() != Ok("1") {
+        rlsd::server::disable_transparent_huge_pages().expect("prctl(PR_SET_THP_DISABLE)");
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("RLSD_LOG"))
         .with_writer(std::io::stderr)

@@ -144,6 +144,10 @@ struct ServeArgs {
     /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
     #[arg(long, env = "RLSD_SHADOW_MODE")]
     shadow_mode: bool,
+    /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a 2 MiB
+    /// page can stall a serving thread for milliseconds).
+    #[arg(long, env = "RLSD_TRANSPARENT_HUGE_PAGES")]
+    transparent_huge_pages: bool,
     /// How often to look for config changes, in milliseconds (0: only on SIGHUP).
     #[arg(long, env = "RLSD_RELOAD_INTERVAL_MS", default_value_t = 1000)]
     reload_interval_ms: u64,
@@ -321,6 +325,11 @@ fn check(path: &std::path::Path) -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if !args.transparent_huge_pages
+        && let Err(error) = server::disable_transparent_huge_pages()
+    {
+        tracing::warn!(%error, "cannot turn transparent huge pages off");
+    }
     // Sentinel's connections are not built with a private CA: taken silently, the flag would
     // leave them trusting the public roots instead.
     if args.redis_ca.is_some() && args.redis_mode == RedisMode::Sentinel {

@@ -205,6 +205,31 @@ fn serve_answers_health_and_stops_cleanly_on_sigterm() {
     assert!(log.contains("SIGTERM received"), "{log}");
 }
 
+/// `THP_enabled` of a process's /proc status: 0 once it has turned transparent huge pages off.
+fn thp_enabled(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("THP_enabled:"))
+        .map(|value| value.trim().to_owned())
+        .unwrap_or_else(|| panic!("no THP_enabled in /proc/{pid}/status"))
+}
+
+#[test]
+fn serve_turns_transparent_huge_pages_off_unless_asked_to_keep_them() {
+    let mut rlsd = Rlsd::serve(["--config", "examples/three-layer.yaml"]);
+    assert_eq!(thp_enabled(rlsd.id()), "0");
+    assert!(rlsd.terminate(Duration::from_secs(10)).success());
+
+    let mut rlsd = Rlsd::serve([
+        "--config",
+        "examples/three-layer.yaml",
+        "--transparent-huge-pages",
+    ]);
+    assert_eq!(thp_enabled(rlsd.id()), "1");
+    assert!(rlsd.terminate(Duration::from_secs(10)).success());
+}
+
 #[test]
 fn serve_with_redis_url_loads_the_script_at_start() {
     let redis = redis_server::RedisServer::start();
