@@ -27,6 +27,10 @@
 //! that shape (each key's value one of 1000 random clients). `redis` and `redis-1` are quoted as
 //! a ratio of it, the in-process store as a ratio of `baseline`.
 //!
+//! The floor under every tail: before the phases and after them, a pinned thread per CPU reads
+//! the clock for `RLSD_BENCH_STALL_PROBE` seconds (default 2; 0 skips) and the bench prints how
+//! much time each CPU was taken away, in gaps of 1 ms and more, and the longest gap.
+//!
 //! Phases (each `RLSD_BENCH_SECONDS`, default 2, after 0.5 s of warm-up; every latency kept):
 //! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels x `RLSD_BENCH_INFLIGHT` (16)
 //!    requests in flight each, for every shape; servers alternate within each of
@@ -111,6 +115,8 @@ mod h2load;
 mod rawh2;
 #[path = "support/redis_server.rs"]
 mod redis_server;
+#[path = "support/stalls.rs"]
+mod stalls;
 #[path = "support/workload.rs"]
 mod workload;
 
@@ -147,6 +153,8 @@ type Client = RateLimitServiceClient<Channel>;
 
 struct Opts {
     seconds: Duration,
+    /// How long [`stalls::probe`] spins before and after the phases (0: not at all).
+    stall_probe: Duration,
     rounds: usize,
     connections: usize,
     inflight: usize,
@@ -180,6 +188,7 @@ impl Opts {
         }
         Opts {
             seconds: Duration::from_secs_f64(var("RLSD_BENCH_SECONDS", 2.0)),
+            stall_probe: Duration::from_secs_f64(var("RLSD_BENCH_STALL_PROBE", 2.0)),
             rounds: var("RLSD_BENCH_ROUNDS", 3_usize).max(1),
             connections: var("RLSD_BENCH_CONNECTIONS", 4_usize).max(1),
             inflight: var("RLSD_BENCH_INFLIGHT", 16_usize).max(1),
@@ -1403,6 +1412,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let opts = Opts::from_env();
+    // Before anything of the bench runs: the machine's own stalls.
+    let stalls_before = (!opts.stall_probe.is_zero()).then(|| stalls::probe(opts.stall_probe));
     let client_rt = runtime(opts.client_threads, "bench-client");
     let server_rt = (!opts.shared).then(|| runtime(opts.server_threads, "bench-server"));
     let server_handle = server_rt
@@ -1525,6 +1536,13 @@ fn main() {
          redis = Redis store, coalescing; redis-1 = Redis store, one EVALSHA per request"
     );
     println!("# CPU columns: µs of CPU per request (and % of one core over the phase)");
+    if let Some(stalls) = &stalls_before {
+        println!(
+            "# machine stalls before the phases (a pinned thread per CPU reading the clock for {:.1} s): {}",
+            opts.stall_probe.as_secs_f64(),
+            stalls::line(stalls)
+        );
+    }
     if rawh2::unix_enabled() {
         println!(
             "# RLSD_BENCH_UNIX=1: the lean client reaches every rlsd over a Unix socket (the baseline, tonic's clients and h2load over TCP)"
@@ -1796,6 +1814,14 @@ fn main() {
     }
     for line in &summary {
         println!("{line}");
+    }
+    if let Some(before) = &stalls_before {
+        // Again with the servers idle: how the host behaved over the run, at both ends.
+        println!(
+            "machine stalls before the phases: {}\nmachine stalls after the phases:  {}",
+            stalls::line(before),
+            stalls::line(&stalls::probe(opts.stall_probe))
+        );
     }
     let failed = rows.iter().any(|r| {
         r.result.counts.errors > 0 || r.result.counts.wrong > 0 || r.result.counts.over_limit > 0

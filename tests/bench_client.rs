@@ -219,3 +219,23 @@ async fn an_answer_leaves_in_one_write() {
     }
     server.stop().await;
 }
+
+#[path = "../benches/support/stalls.rs"]
+mod stalls;
+
+/// The stall probe counts the time a CPU runs something else: with a second busy thread on
+/// CPU 0, the scheduler takes about half of CPU 0 away, in slices far above 50 µs.
+#[test]
+fn the_stall_probe_sees_a_cpu_shared_with_a_busy_thread() {
+    let span = Duration::from_millis(400);
+    let probed = std::thread::scope(|scope| {
+        scope.spawn(|| stalls::spin_on(0, span));
+        stalls::probe(span)
+    });
+    let summary = stalls::line(&probed);
+    let cpu0 = probed
+        .iter()
+        .find(|stalls| stalls.cpu() == 0)
+        .unwrap_or_else(|| panic!("no cpu0 in {summary}"));
+    assert!(cpu0.lost_share() > 0.3, "{summary}");
+}
