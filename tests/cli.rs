@@ -57,6 +57,7 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
     // A directory written for envoyproxy/ratelimit, which reads files of any name.
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
+    std::fs::create_dir(dir.path().join("team-a")).expect("mkdir");
     let output = Command::new(RLSD)
         .arg("check")
         .arg("--config")
@@ -66,8 +67,11 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
     assert!(output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("only *.yaml and *.yml files at the top level are config files")
-            && stderr.contains("limits.conf"),
+        stderr.contains(&format!(
+            "not read in {}, as only *.yaml and *.yml files at the top level are config files: \
+             limits.conf, team-a/",
+            dir.path().display()
+        )),
         "{stderr}"
     );
     assert!(

@@ -133,13 +133,21 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
 pub fn warn_about_unread(path: &Path, config: &Config) {
     let unread = unread_files(path);
     if !unread.is_empty() {
+        // Named within the directory, which the message names once; a subdirectory ends in /.
         let names: Vec<String> = unread
             .iter()
-            .map(|file| file.display().to_string())
+            .map(|entry| {
+                let name = entry.strip_prefix(path).unwrap_or(entry).display();
+                if entry.is_dir() {
+                    format!("{name}/")
+                } else {
+                    name.to_string()
+                }
+            })
             .collect();
         tracing::warn!(
-            path = %path.display(),
-            "not read, as only *.yaml and *.yml files at the top level are config files: {}",
+            "not read in {}, as only *.yaml and *.yml files at the top level are config files: {}",
+            path.display(),
             names.join(", ")
         );
     }
