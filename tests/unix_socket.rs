@@ -224,3 +224,44 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
     assert!(stopped.success());
     assert!(!socket.exists(), "the socket file is removed at shutdown");
 }
+
+/// Eight starts at once on one path where a dead rlsd left its socket: one binds, every other
+/// finds that socket live, and the file that stays is the one that is served.
+#[test]
+fn concurrent_starts_on_a_stale_socket_leave_one_server_and_its_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("rlsd.sock");
+    // A socket file nothing accepts on, as a killed process leaves it.
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let start = std::sync::Barrier::new(8);
+    let outcomes: Vec<_> = std::thread::scope(|scope| {
+        let starts: Vec<_> = (0..8)
+            .map(|_| {
+                scope.spawn(|| {
+                    let _context = runtime.enter();
+                    start.wait();
+                    server::UnixSocket::bind(&path, server::DEFAULT_SOCKET_MODE)
+                })
+            })
+            .collect();
+        starts
+            .into_iter()
+            .map(|start| start.join().expect("bind thread"))
+            .collect()
+    });
+    let bound: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().ok()).collect();
+    assert_eq!(bound.len(), 1, "{outcomes:?}");
+    for outcome in &outcomes {
+        if let Err(error) = outcome {
+            assert!(
+                matches!(error, server::UnixSocketError::InUse(_)),
+                "{error}"
+            );
+        }
+    }
+    assert!(
+        std::os::unix::net::UnixStream::connect(&path).is_ok(),
+        "the socket file left is the bound one"
+    );
+}

@@ -2,6 +2,7 @@
 //! on either side of each call (Envoy's cluster address is then a `pipe`).
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -55,6 +56,10 @@ impl UnixSocket {
             path: path.to_owned(),
             source,
         };
+        // Two rlsd starting at once on one stale path could each find it dead, and the second
+        // remove the socket the first had just bound. Checking, clearing and binding under a
+        // lock on the directory makes the second find the first's socket live instead.
+        let _directory_lock = lock_directory_of(path).map_err(io_error)?;
         match std::fs::symlink_metadata(path) {
             Ok(metadata) if !metadata.file_type().is_socket() => {
                 return Err(UnixSocketError::NotASocket(path.to_owned()));
@@ -84,6 +89,21 @@ impl UnixSocket {
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// An exclusive `flock` on the directory holding `path`, held until the file is dropped.
+fn lock_directory_of(path: &Path) -> io::Result<std::fs::File> {
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let directory = std::fs::File::open(directory)?;
+    // SAFETY: flock only takes a lock on the open file descriptor it is given.
+    if unsafe { libc::flock(directory.as_raw_fd(), libc::LOCK_EX) } == 0 {
+        Ok(directory)
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 
