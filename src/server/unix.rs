@@ -59,7 +59,7 @@ impl UnixSocket {
         // Two rlsd starting at once on one stale path could each find it dead, and the second
         // remove the socket the first had just bound. Checking, clearing and binding under a
         // lock on the directory makes the second find the first's socket live instead.
-        let _directory_lock = lock_directory_of(path).map_err(io_error)?;
+        let _directory_lock = lock_directory_of(path);
         match std::fs::symlink_metadata(path) {
             Ok(metadata) if !metadata.file_type().is_socket() => {
                 return Err(UnixSocketError::NotASocket(path.to_owned()));
@@ -92,19 +92,17 @@ impl UnixSocket {
     }
 }
 
-/// An exclusive `flock` on the directory holding `path`, held until the file is dropped.
-fn lock_directory_of(path: &Path) -> io::Result<std::fs::File> {
+/// An exclusive `flock` on the directory holding `path`, held until the file is dropped; none
+/// when the directory cannot be opened for reading (binding there may still work, unlocked).
+fn lock_directory_of(path: &Path) -> Option<std::fs::File> {
     let directory = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    let directory = std::fs::File::open(directory)?;
+    let directory = std::fs::File::open(directory).ok()?;
     // SAFETY: flock only takes a lock on the open file descriptor it is given.
-    if unsafe { libc::flock(directory.as_raw_fd(), libc::LOCK_EX) } == 0 {
-        Ok(directory)
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    let locked = unsafe { libc::flock(directory.as_raw_fd(), libc::LOCK_EX) } == 0;
+    locked.then_some(directory)
 }
 
 impl Drop for UnixSocket {
