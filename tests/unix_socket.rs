@@ -226,42 +226,51 @@ async fn the_binary_serves_the_socket_and_replaces_only_a_dead_one() {
 }
 
 /// Eight starts at once on one path where a dead rlsd left its socket: one binds, every other
-/// finds that socket live, and the file that stays is the one that is served.
+/// finds that socket live, and the file that stays is the one that is served. The race is
+/// run 100 times, as a start that loses it unlocked does not lose it every time.
 #[test]
 fn concurrent_starts_on_a_stale_socket_leave_one_server_and_its_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("rlsd.sock");
-    // A socket file nothing accepts on, as a killed process leaves it.
-    drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let start = std::sync::Barrier::new(8);
-    let outcomes: Vec<_> = std::thread::scope(|scope| {
-        let starts: Vec<_> = (0..8)
-            .map(|_| {
-                scope.spawn(|| {
-                    let _context = runtime.enter();
-                    start.wait();
-                    server::UnixSocket::bind(&path, server::DEFAULT_SOCKET_MODE)
+    for attempt in 0..100 {
+        // A socket file nothing accepts on, as a killed process leaves it.
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
+        let start = std::sync::Barrier::new(8);
+        let outcomes: Vec<_> = std::thread::scope(|scope| {
+            let starts: Vec<_> = (0..8)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let _context = runtime.enter();
+                        start.wait();
+                        server::UnixSocket::bind(&path, server::DEFAULT_SOCKET_MODE)
+                    })
                 })
-            })
-            .collect();
-        starts
-            .into_iter()
-            .map(|start| start.join().expect("bind thread"))
-            .collect()
-    });
-    let bound: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().ok()).collect();
-    assert_eq!(bound.len(), 1, "{outcomes:?}");
-    for outcome in &outcomes {
-        if let Err(error) = outcome {
-            assert!(
-                matches!(error, server::UnixSocketError::InUse(_)),
-                "{error}"
-            );
+                .collect();
+            starts
+                .into_iter()
+                .map(|start| start.join().expect("bind thread"))
+                .collect()
+        });
+        let bound = outcomes.iter().filter(|o| o.is_ok()).count();
+        assert_eq!(bound, 1, "attempt {attempt}: {outcomes:?}");
+        for outcome in &outcomes {
+            if let Err(error) = outcome {
+                assert!(
+                    matches!(error, server::UnixSocketError::InUse(_)),
+                    "attempt {attempt}: {error}"
+                );
+            }
         }
+        assert!(
+            std::os::unix::net::UnixStream::connect(&path).is_ok(),
+            "attempt {attempt}: the socket file left is the bound one"
+        );
+        // Dropping the winner removes its file; the next attempt starts from a stale one again.
+        drop(outcomes);
+        assert!(
+            !path.exists(),
+            "attempt {attempt}: the file outlived its socket"
+        );
     }
-    assert!(
-        std::os::unix::net::UnixStream::connect(&path).is_ok(),
-        "the socket file left is the bound one"
-    );
 }

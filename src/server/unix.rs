@@ -67,7 +67,12 @@ impl UnixSocket {
             Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
                 Ok(_) => return Err(UnixSocketError::InUse(path.to_owned())),
                 Err(error) if error.kind() == io::ErrorKind::ConnectionRefused => {
-                    std::fs::remove_file(path).map_err(io_error)?;
+                    // Gone already: another process cleared it first (unlocked, see below).
+                    if let Err(error) = std::fs::remove_file(path)
+                        && error.kind() != io::ErrorKind::NotFound
+                    {
+                        return Err(io_error(error));
+                    }
                 }
                 Err(error) => return Err(io_error(error)),
             },
@@ -92,17 +97,41 @@ impl UnixSocket {
     }
 }
 
+/// Longest wait for the directory lock: another rlsd holds it for a few system calls, but any
+/// other program may hold a lock on a shared directory such as `/run` for as long as it likes.
+const DIRECTORY_LOCK_WAIT: Duration = Duration::from_secs(1);
+
 /// An exclusive `flock` on the directory holding `path`, held until the file is dropped; none
-/// when the directory cannot be opened for reading (binding there may still work, unlocked).
+/// (binding goes on unlocked, as before the lock) when the directory cannot be opened for
+/// reading, the filesystem has no locks, or the lock stays taken for [`DIRECTORY_LOCK_WAIT`].
 fn lock_directory_of(path: &Path) -> Option<std::fs::File> {
     let directory = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    let directory = std::fs::File::open(directory).ok()?;
-    // SAFETY: flock only takes a lock on the open file descriptor it is given.
-    let locked = unsafe { libc::flock(directory.as_raw_fd(), libc::LOCK_EX) } == 0;
-    locked.then_some(directory)
+    let unlocked = |why: &dyn std::fmt::Display| {
+        tracing::debug!(directory = %directory.display(), %why, "binding the unix socket unlocked");
+        None
+    };
+    let file = match std::fs::File::open(directory) {
+        Ok(file) => file,
+        Err(error) => return unlocked(&error),
+    };
+    let deadline = std::time::Instant::now() + DIRECTORY_LOCK_WAIT;
+    loop {
+        // SAFETY: flock only takes a lock on the open file descriptor it is given.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Some(file);
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::WouldBlock {
+            return unlocked(&error);
+        }
+        if std::time::Instant::now() >= deadline {
+            return unlocked(&"the directory's lock stayed taken");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 impl Drop for UnixSocket {
