@@ -144,8 +144,8 @@ struct ServeArgs {
     /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
     #[arg(long, env = "RLSD_SHADOW_MODE")]
     shadow_mode: bool,
-    /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a 2 MiB
-    /// page can stall a serving thread for milliseconds).
+    /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a fresh
+    /// 2 MiB page stalls the thread that touches it, for milliseconds in some VMs).
     #[arg(long, env = "RLSD_TRANSPARENT_HUGE_PAGES")]
     transparent_huge_pages: bool,
     /// How often to look for config changes, in milliseconds (0: only on SIGHUP).

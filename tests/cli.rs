@@ -209,20 +209,26 @@ fn serve_answers_health_and_stops_cleanly_on_sigterm() {
     assert!(log.contains("SIGTERM received"), "{log}");
 }
 
-/// `THP_enabled` of a process's /proc status: 0 once it has turned transparent huge pages off.
-fn thp_enabled(pid: u32) -> String {
+/// `THP_enabled` of a process's /proc status ("self" for this one): "0" once it has turned
+/// transparent huge pages off, or inherited that from its parent; `None` on a kernel without it.
+fn thp_enabled(pid: &str) -> Option<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
     status
         .lines()
         .find_map(|line| line.strip_prefix("THP_enabled:"))
         .map(|value| value.trim().to_owned())
-        .unwrap_or_else(|| panic!("no THP_enabled in /proc/{pid}/status"))
 }
 
 #[test]
 fn serve_turns_transparent_huge_pages_off_unless_asked_to_keep_them() {
+    // rlsd inherits this process's setting; where it is already off there is nothing to see.
+    let own = thp_enabled("self");
+    if own.as_deref() != Some("1") {
+        eprintln!("skipped: this process's THP_enabled is {own:?}");
+        return;
+    }
     let mut rlsd = Rlsd::serve(["--config", "examples/three-layer.yaml"]);
-    assert_eq!(thp_enabled(rlsd.id()), "0");
+    assert_eq!(thp_enabled(&rlsd.id().to_string()).as_deref(), Some("0"));
     assert!(rlsd.terminate(Duration::from_secs(10)).success());
 
     let mut rlsd = Rlsd::serve([
@@ -230,7 +236,7 @@ fn serve_turns_transparent_huge_pages_off_unless_asked_to_keep_them() {
         "examples/three-layer.yaml",
         "--transparent-huge-pages",
     ]);
-    assert_eq!(thp_enabled(rlsd.id()), "1");
+    assert_eq!(thp_enabled(&rlsd.id().to_string()), own);
     assert!(rlsd.terminate(Duration::from_secs(10)).success());
 }
 

@@ -517,18 +517,22 @@ pub fn termination_signal() -> impl Future<Output = ()> + Send + 'static {
 
 /// Turns transparent huge pages off for this process, as Redis does by default (`disable-thp`).
 ///
-/// mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`) and returns freed memory to the
-/// kernel after 10 ms; the next allocation there faults in and zeroes a whole 2 MiB page. In a
-/// VM whose host takes freed guest memory back, one such fault held a thread for 6.7 ms, a
-/// stall every request queued behind it waits out (perf on the 3-layer Redis bench at 27 k
-/// req/s: 3–4 % of the lanes' time in `do_huge_pmd_anonymous_page`, none once this is off).
-/// rlsd's heap is small; 4 KiB pages cost it nothing measurable.
+/// mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`) and later gives freed memory
+/// back to the kernel; touching it again faults in and zeroes a whole 2 MiB page. In a VM whose
+/// host takes freed guest memory back, one such fault held the bench's client thread for 6.7
+/// ms, and `perf` put 2.7–4.1 % of the lanes' samples in that zeroing (3-layer Redis bench,
+/// 27 k req/s, open loop); with this call, none. A large in-process store would take fewer TLB
+/// misses with huge pages, which is what `--transparent-huge-pages` is for. A `prctl` rather
+/// than mimalloc's own `allow_thp` option (the same call) because mimalloc reads that from the
+/// environment before `main` runs, out of reach of a flag.
 ///
 /// # Errors
-/// When the kernel refuses `prctl(PR_SET_THP_DISABLE)` (before Linux 3.15).
+/// When the kernel refuses `prctl(PR_SET_THP_DISABLE)` (before Linux 3.15, or a seccomp filter).
 pub fn disable_transparent_huge_pages() -> std::io::Result<()> {
+    // prctl reads its arguments as unsigned longs.
+    let (on, unused): (libc::c_ulong, libc::c_ulong) = (1, 0);
     // SAFETY: PR_SET_THP_DISABLE only sets a flag on this process's memory map.
-    let result = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+    let result = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, on, unused, unused, unused) };
     if result == 0 {
         Ok(())
     } else {
