@@ -27,9 +27,11 @@
 //! that shape (each key's value one of 1000 random clients). `redis` and `redis-1` are quoted as
 //! a ratio of it, the in-process store as a ratio of `baseline`.
 //!
-//! The floor under every tail: before the phases and after them, a pinned thread per CPU reads
-//! the clock for `RLSD_BENCH_STALL_PROBE` seconds (default 2; 0 skips) and the bench prints how
-//! much time each CPU was taken away, in gaps of 1 ms and more, and the longest gap.
+//! The machine's own stalls, in every tail: before the phases and after them, a pinned thread
+//! per CPU reads the clock for `RLSD_BENCH_STALL_PROBE` seconds (default 2; 0 skips), and the
+//! bench prints the share of each CPU's time taken away in gaps of 50 µs or more, how many gaps
+//! a second reached 1 ms, and the longest. `RLSD_BENCH_THP=1` leaves transparent huge pages on
+//! in the bench's process (where the servers run), as `rlsd serve --transparent-huge-pages`.
 //!
 //! Phases (each `RLSD_BENCH_SECONDS`, default 2, after 0.5 s of warm-up; every latency kept):
 //! 1. peak: closed loop, `RLSD_BENCH_CONNECTIONS` (4) channels x `RLSD_BENCH_INFLIGHT` (16)
@@ -63,8 +65,9 @@
 //!
 //!    With `RLSD_BENCH_UNIX=1` every rlsd also listens on a Unix socket (`--grpc-unix-socket`)
 //!    and the lean client's phases reach it there; the rest stays on TCP.
-//!    `RLSD_BENCH_TRACE=<file>` writes one line per answer of the lean client's phases:
-//!    completion time since the phase began, latency and pacing lag, all in µs (to find stalls).
+//!    `RLSD_BENCH_TRACE=<file>` appends, for each phase of the lean client, a `#` line naming
+//!    it, then a line per answer: when it came (µs since the client started, warm-up first),
+//!    its latency and its pacing lag (µs), to find stalls.
 //! 5. one request in flight (one channel, closed loop), p50/p99/p999, for every shape: `single`
 //!    with the tonic client, `raw-single` with the lean one.
 //!
@@ -1233,11 +1236,27 @@ fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> 
     })
     .unwrap_or_else(|error| panic!("raw client on {addr}: {error}"));
     if let Some(path) = &trace_to {
-        let text: String = trace
-            .iter()
-            .map(|(at, us, lag)| format!("{at} {us} {lag}\n"))
-            .collect();
-        std::fs::write(path, text).expect("RLSD_BENCH_TRACE");
+        use std::fmt::Write as _;
+        use std::io::Write as _;
+        let mut text = format!(
+            "# {addr}, {}, {} connections x {} streams, {} descriptors per request; \
+             µs since the client started (the first {:.1} s are warm-up), latency µs, lag µs\n",
+            load.rate
+                .map_or_else(|| "closed loop".to_owned(), |r| format!("{r:.0} req/s")),
+            load.connections,
+            load.streams,
+            pool.first().map_or(0, |r| r.descriptors.len()),
+            load.warmup.as_secs_f64(),
+        );
+        for (at, us, lag) in &trace {
+            let _ = writeln!(text, "{at} {us} {lag}");
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .unwrap_or_else(|error| panic!("RLSD_BENCH_TRACE {path}: {error}"));
     }
     if run.unanswered > 0 {
         counts.errors += run.unanswered as u64;

@@ -1,4 +1,4 @@
-//! How long the machine itself takes a CPU away: the floor under any tail latency measured here.
+//! How much the machine itself takes CPUs away, which every tail latency measured here includes.
 //!
 //! One thread per CPU, pinned, reads the clock in a tight loop while nothing else of the bench
 //! runs; a gap between two readings is time that CPU ran something else (the host's other
@@ -41,10 +41,12 @@ impl fmt::Display for CpuStalls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "cpu{} lost {:.2} % in gaps >= 50 µs, {:.1} gaps >= 1 ms per s, longest {:.2} ms",
+            "cpu{} lost {:.2} % in gaps >= {} µs, {:.1} gaps >= {} ms per s, longest {:.2} ms",
             self.cpu(),
             100.0 * self.lost_share(),
+            COUNTED_GAP.as_micros(),
             f64::from(self.long_gaps) / self.span.as_secs_f64(),
+            LONG_GAP.as_millis(),
             self.longest.as_secs_f64() * 1e3,
         )
     }
@@ -75,14 +77,22 @@ pub fn line(stalls: &[CpuStalls]) -> String {
 }
 
 /// Spins on `cpu` for `span`, counting the gaps between clock readings.
+///
+/// # Panics
+/// When the calling thread cannot be pinned to `cpu`: unpinned, the figures would mean nothing.
 pub fn spin_on(cpu: usize, span: Duration) -> CpuStalls {
     // SAFETY: a zeroed cpu_set_t is a valid empty set, CPU_SET writes one bit of it, and
     // sched_setaffinity(0, ..) only reads it to pin the calling thread.
-    unsafe {
+    let pinned = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    assert!(
+        pinned,
+        "cannot pin the stall probe to cpu{cpu}: {}",
+        std::io::Error::last_os_error()
+    );
     let start = Instant::now();
     let (mut previous, mut lost, mut long_gaps, mut longest) =
         (start, Duration::ZERO, 0, Duration::ZERO);
@@ -107,14 +117,20 @@ pub fn spin_on(cpu: usize, span: Duration) -> CpuStalls {
     }
 }
 
-/// The CPUs this process may run on.
-fn allowed_cpus() -> Vec<usize> {
+/// The CPUs the calling thread may run on.
+///
+/// # Panics
+/// When the kernel does not say.
+pub fn allowed_cpus() -> Vec<usize> {
     // SAFETY: sched_getaffinity fills the zeroed set it is given; CPU_ISSET only reads it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return vec![0];
-        }
+        let read = libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
+        assert!(
+            read == 0,
+            "sched_getaffinity: {}",
+            std::io::Error::last_os_error()
+        );
         (0..libc::CPU_SETSIZE as usize)
             .filter(|&cpu| libc::CPU_ISSET(cpu, &set))
             .collect()
