@@ -1,6 +1,6 @@
 //! The arithmetic of each algorithm, as pure functions of `(state, now, params, hits)`.
 //!
-//! Exactly `../shared/ALGORITHMS.md`. Every store runs these (the Lua scripts mirror them), so the
+//! Exactly `docs/algorithms.md`. Every store runs these (the Lua scripts mirror them), so the
 //! float operations are written in the order the scripts use, to give bit-identical answers.
 
 use std::collections::VecDeque;

@@ -108,7 +108,7 @@ impl fmt::Display for Period {
     }
 }
 
-/// The rate limiting algorithm of one limit (`../shared/ALGORITHMS.md`).
+/// The rate limiting algorithm of one limit (`docs/algorithms.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Counter per epoch-aligned window; up to 2L across an edge.

@@ -1,4 +1,4 @@
-//! The behaviour suite every store must pass unchanged: the semantics of ALGORITHMS.md through
+//! The behaviour suite every store must pass unchanged: the semantics of docs/algorithms.md through
 //! the `Store` trait, on a clock the test drives. The Redis run uses a real redis-server.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Each algorithm against the worked semantics of `../shared/ALGORITHMS.md`, on a fake clock.
+//! Each algorithm against the worked semantics of `docs/algorithms.md`, on a fake clock.
 
 use super::*;
 

@@ -133,21 +133,24 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
 pub fn warn_about_unread(path: &Path, config: &Config) {
     let unread = unread_files(path);
     if !unread.is_empty() {
-        // Named within the directory, which the message names once; a subdirectory ends in /.
+        // Entry names alone: the directory is the `path` field, as in the warning below.
         let names: Vec<String> = unread
             .iter()
             .map(|entry| {
-                let name = entry.strip_prefix(path).unwrap_or(entry).display();
+                let name = entry
+                    .file_name()
+                    .unwrap_or(entry.as_os_str())
+                    .to_string_lossy();
                 if entry.is_dir() {
                     format!("{name}/")
                 } else {
-                    name.to_string()
+                    name.into_owned()
                 }
             })
             .collect();
         tracing::warn!(
-            "not read in {}, as only *.yaml and *.yml files at the top level are config files: {}",
-            path.display(),
+            path = %path.display(),
+            "not read, as only *.yaml and *.yml files at the top level are config files: {}",
             names.join(", ")
         );
     }
