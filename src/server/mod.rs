@@ -521,8 +521,9 @@ pub fn termination_signal() -> impl Future<Output = ()> + Send + 'static {
 /// back to the kernel; touching it again faults in and zeroes a whole 2 MiB page. In a VM whose
 /// host takes freed guest memory back, one such fault held the bench's client thread for 6.7
 /// ms, and `perf` put 2.7–4.1 % of the lanes' samples in that zeroing (3-layer Redis bench,
-/// 27 k req/s, open loop); with this call, none. A large in-process store would take fewer TLB
-/// misses with huge pages, which is what `--transparent-huge-pages` is for. A `prctl` rather
+/// 27 k req/s, open loop); with this call, none. The price is TLB misses: with 1 M live
+/// in-process keys the engine bench decides about 1 µs slower per 3-layer request, which is
+/// what `--transparent-huge-pages` is for. A `prctl` rather
 /// than mimalloc's own `allow_thp` option (the same call) because mimalloc reads that from the
 /// environment before `main` runs, out of reach of a flag.
 ///
