@@ -18,6 +18,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[std::path::PathBuf::from(
                 "proto/envoy/service/ratelimit/v3/rls.proto",
             )],
+            &[std::path::PathBuf::from("proto"), well_known.clone()],
+        )?;
+    // The xDS client's protos, with prost's own codec: these messages are not on the hot path.
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_protos(
+            &[
+                std::path::PathBuf::from("proto/envoy/service/discovery/v3/discovery.proto"),
+                std::path::PathBuf::from("proto/ratelimit/config/ratelimit/v3/rls_conf.proto"),
+            ],
             &[std::path::PathBuf::from("proto"), well_known],
         )?;
     Ok(())
