@@ -30,3 +30,4 @@ pub mod service;
 pub mod simulate;
 pub mod store;
 pub mod tls;
+pub mod xds;

@@ -22,6 +22,7 @@ use rlsd::store::{
     ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings, RedisStore, Store,
 };
 use rlsd::tls::{TlsFiles, TlsSettings};
+use rlsd::xds::{XdsClient, XdsSettings, XdsTls};
 
 /// mimalloc instead of glibc's malloc: a request allocates dozens of short-lived strings
 /// (protobuf decoding, keys, the response), and callgrind counts malloc and free as about a
@@ -81,8 +82,63 @@ enum Command {
 #[derive(clap::Args)]
 struct ServeArgs {
     /// A YAML file, or a directory of `*.yaml` files (one domain each).
-    #[arg(long, env = "RLSD_CONFIG")]
-    config: PathBuf,
+    #[arg(
+        long,
+        env = "RLSD_CONFIG",
+        required_unless_present = "config_xds",
+        conflicts_with = "config_xds"
+    )]
+    config: Option<PathBuf>,
+    /// Take the config from this xDS management server instead (`host:port`, `http://` or
+    /// `https://`), as Envoy Gateway pushes it: ADS state of the world, `RateLimitConfig`.
+    #[arg(long, env = "RLSD_CONFIG_XDS", value_name = "ADDR")]
+    config_xds: Option<String>,
+    /// `node.id` sent to the xDS server.
+    #[arg(
+        long,
+        env = "RLSD_XDS_NODE_ID",
+        default_value = "rlsd",
+        requires = "config_xds"
+    )]
+    xds_node_id: String,
+    /// `node.metadata` sent to the xDS server: `k1:v1,k2=v2`.
+    #[arg(long, env = "RLSD_XDS_NODE_METADATA", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
+    xds_node_metadata: Option<Pairs>,
+    /// Extra gRPC metadata on the xDS stream: `k1:v1,k2=v2`.
+    #[arg(long, env = "RLSD_XDS_HEADERS", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
+    xds_headers: Option<Pairs>,
+    /// Wait after a lost xDS stream before reconnecting, in milliseconds.
+    #[arg(long, env = "RLSD_XDS_RETRY_INTERVAL_MS", default_value_t = 3000)]
+    xds_retry_interval_ms: u64,
+    /// Connect to the xDS server over TLS.
+    #[arg(long, env = "RLSD_XDS_TLS", requires = "config_xds")]
+    xds_tls: bool,
+    /// PEM CA certificates that sign the xDS server's certificate (default: public roots).
+    #[arg(
+        long,
+        env = "RLSD_XDS_TLS_CA",
+        value_name = "PATH",
+        requires = "xds_tls"
+    )]
+    xds_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for the xDS server (mutual TLS; with `--xds-tls-key`).
+    #[arg(long, env = "RLSD_XDS_TLS_CERT", value_name = "PATH", requires_all = ["xds_tls", "xds_tls_key"])]
+    xds_tls_cert: Option<PathBuf>,
+    /// The PEM key of `--xds-tls-cert`.
+    #[arg(long, env = "RLSD_XDS_TLS_KEY", value_name = "PATH", requires_all = ["xds_tls", "xds_tls_cert"])]
+    xds_tls_key: Option<PathBuf>,
+    /// The name the xDS server's certificate must carry (default: the address's host).
+    #[arg(
+        long,
+        env = "RLSD_XDS_TLS_SAN",
+        value_name = "NAME",
+        requires = "xds_tls"
+    )]
+    xds_tls_san: Option<String>,
+    /// With `--config-xds`: serve at once, every domain unknown, instead of waiting for the
+    /// first config to arrive before opening any port.
+    #[arg(long, env = "RLSD_XDS_FORCE_START", requires = "config_xds")]
+    xds_force_start: bool,
     /// gRPC listen address (Envoy's `rate_limit_service`).
     #[arg(long, env = "RLSD_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
@@ -338,11 +394,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
              cannot yet trust a private CA"
         );
     }
-    // Refuse a bad config before opening any port.
-    let loaded = config::load_path(&args.config)
-        .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
-    tracing::info!(path = %args.config.display(), domains = loaded.domains.len(), "config loaded");
-    config::warn_about_unread(&args.config, &loaded);
+    let loaded = match &args.config {
+        // Refuse a bad config before opening any port.
+        Some(path) => {
+            let loaded = config::load_path(path)
+                .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
+            tracing::info!(path = %path.display(), domains = loaded.domains.len(), "config loaded");
+            config::warn_about_unread(path, &loaded);
+            loaded
+        }
+        None => config::Config::default(),
+    };
     let tls = tls_settings(&args)?;
     let threads = serving_threads(&args);
     let lanes = serving_lanes(&args);
@@ -355,6 +417,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        let config = Arc::new(ArcSwap::from_pointee(loaded));
+        let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
+        start_xds(&args, &config, &metrics).await?;
         let listeners = Listeners::bind(args.grpc_addr, args.http_addr)
             .await
             .with_context(|| format!("binding {} and {}", args.grpc_addr, args.http_addr))?;
@@ -364,7 +429,6 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .with_grpc_unix(path, args.grpc_unix_socket_mode)
                 .context("binding --grpc-unix-socket")?,
         };
-        let config = Arc::new(ArcSwap::from_pointee(loaded));
         let settings = ServiceSettings {
             keys: KeySettings {
                 prefix: args.key_prefix.clone(),
@@ -396,16 +460,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 // No over-limit cache here: the cluster store refunds cross-slot denials, so quota
                 // can come back before a denial's reset, which the cache's exactness relies on.
                 let store = Arc::new(ClusterStore::connect(cluster).await?);
-                serve_with(
-                    store,
-                    "redis-cluster",
-                    config,
-                    settings,
-                    listeners,
-                    tls,
-                    &args,
-                )
-                .await
+                serve_with(store, config, metrics, settings, listeners, tls, &args).await
             }
             Some(url) => {
                 let mut redis = RedisSettings::new(url.clone());
@@ -428,12 +483,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
                 let store = RedisStore::connect(redis).await?;
                 let store = Arc::new(OverLimitCache::new(store, args.over_limit_cache));
-                serve_with(store, "redis", config, settings, listeners, tls, &args).await
+                serve_with(store, config, metrics, settings, listeners, tls, &args).await
             }
             None => {
                 let store = Arc::new(MemoryStore::new(args.max_keys));
                 spawn_reclaimer(Arc::clone(&store));
-                serve_with(store, "memory", config, settings, listeners, tls, &args).await
+                serve_with(store, config, metrics, settings, listeners, tls, &args).await
             }
         }
     })
@@ -441,21 +496,23 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 async fn serve_with<S: Store>(
     store: Arc<S>,
-    store_name: &str,
     config: Arc<ArcSwap<config::Config>>,
+    metrics: Arc<Metrics>,
     settings: ServiceSettings,
     listeners: Listeners,
     tls: Option<Arc<TlsSettings>>,
     args: &ServeArgs,
 ) -> anyhow::Result<()> {
-    let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
-    metrics.config_load_success.inc();
-    let reloader = Arc::new(Reloader::new(
-        args.config.clone(),
-        Arc::clone(&config),
-        Arc::clone(&metrics),
-    ));
-    tokio::spawn(reloader.watch(Duration::from_millis(args.reload_interval_ms)));
+    if let Some(path) = &args.config {
+        metrics.config_load_success.inc();
+        let reloader = Arc::new(Reloader::new(
+            path.clone(),
+            Arc::clone(&config),
+            Arc::clone(&metrics),
+        ));
+        tokio::spawn(reloader.watch(Duration::from_millis(args.reload_interval_ms)));
+    }
+    let store_name = store.name();
     let limiter = RateLimiter::new(Arc::clone(&config), store, settings).with_metrics(metrics);
     let options = ServeOptions {
         drain: Duration::try_from_secs_f64(args.drain_seconds)
@@ -484,6 +541,51 @@ async fn serve_with<S: Store>(
     tracing::info!(grpc = %grpc_addr, http = %http_addr, grpc_unix, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
     server::run_with(limiter, config, listeners, options, stop).await?;
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// With `--config-xds`, starts the config client and, unless forced to start without it,
+/// waits for the first config it accepts.
+async fn start_xds(
+    args: &ServeArgs,
+    config: &Arc<ArcSwap<config::Config>>,
+    metrics: &Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let Some(server) = &args.config_xds else {
+        return Ok(());
+    };
+    let settings = XdsSettings {
+        server: server.clone(),
+        node_id: args.xds_node_id.clone(),
+        node_metadata: args
+            .xds_node_metadata
+            .clone()
+            .map(|pairs| pairs.0)
+            .unwrap_or_default(),
+        retry_interval: Duration::from_millis(args.xds_retry_interval_ms),
+        headers: args
+            .xds_headers
+            .clone()
+            .map(|pairs| pairs.0)
+            .unwrap_or_default(),
+        tls: args.xds_tls.then(|| XdsTls {
+            ca: args.xds_tls_ca.clone(),
+            cert: args.xds_tls_cert.clone(),
+            key: args.xds_tls_key.clone(),
+            san: args.xds_tls_san.clone(),
+        }),
+    };
+    let (client, mut applied) = XdsClient::new(settings, Arc::clone(config), Arc::clone(metrics))?;
+    tokio::spawn(client.run());
+    if args.xds_force_start {
+        tracing::info!(server = %server, "starting before any config arrives over xDS: every domain is unknown until then");
+        return Ok(());
+    }
+    tracing::info!(server = %server, "waiting for the first config over xDS");
+    applied
+        .wait_for(Option::is_some)
+        .await
+        .context("the xDS client stopped")?;
     Ok(())
 }
 
@@ -522,6 +624,14 @@ fn serving_lanes(args: &ServeArgs) -> usize {
 }
 
 /// Parses file permissions in octal (`660`, `0600`).
+/// `k1:v1,k2=v2` pairs, as one flag value.
+#[derive(Clone)]
+struct Pairs(Vec<(String, String)>);
+
+fn pairs(text: &str) -> Result<Pairs, String> {
+    rlsd::xds::parse_pairs(text).map(Pairs)
+}
+
 fn octal_mode(text: &str) -> Result<u32, String> {
     match u32::from_str_radix(text, 8) {
         Ok(mode) if mode <= 0o777 => Ok(mode),

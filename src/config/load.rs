@@ -58,20 +58,34 @@ fn one_per_line(errors: &[ConfigError]) -> String {
 /// # Errors
 /// Every problem of every file, each with its file, line and column, in file order.
 pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
-    let mut errors = Vec::new();
     let files = config_files(path).map_err(|error| ConfigErrors(vec![error]))?;
+    load_sources(files.into_iter().map(|file| {
+        let name = file.display().to_string();
+        // Invalid UTF-8 is an `InvalidData` read error, reported like any other.
+        let text = fs::read_to_string(&file).map_err(|error| unreadable(&file, &error));
+        (name, text)
+    }))
+}
+
+/// Loads named texts (files, or resources pushed over xDS) into one config, one domain each,
+/// exactly as [`load_path`] checks files: every source is checked even after an error.
+///
+/// # Errors
+/// Every problem of every source, each named by its source, in source order.
+pub fn load_sources(
+    sources: impl IntoIterator<Item = (String, Result<String, ConfigError>)>,
+) -> Result<Config, ConfigErrors> {
+    let mut errors = Vec::new();
     let mut config = Config::default();
     let mut first_file: HashMap<String, String> = HashMap::new();
-    for file in files {
-        // Invalid UTF-8 is an `InvalidData` read error, reported like any other.
-        let text = match fs::read_to_string(&file) {
+    for (name, text) in sources {
+        let text = match text {
             Ok(text) => text,
             Err(error) => {
-                errors.push(unreadable(&file, &error));
+                errors.push(error);
                 continue;
             }
         };
-        let name = file.display().to_string();
         let loaded = load_file(&name, &text);
         let mut file_errors = Vec::new();
         let mut duplicate = false;

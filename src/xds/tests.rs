@@ -1,0 +1,144 @@
+use prost::Message as _;
+
+use super::*;
+use crate::pb::ratelimit::config::ratelimit::v3::RateLimitReplace;
+
+fn descriptor(key: &str, value: &str, unit: RateLimitUnit, per_unit: u32) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.to_owned(),
+        value: value.to_owned(),
+        rate_limit: Some(RateLimitPolicy {
+            unit: unit as i32,
+            requests_per_unit: per_unit,
+            ..RateLimitPolicy::default()
+        }),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn response(version: &str, resources: &[RateLimitConfig]) -> DiscoveryResponse {
+    DiscoveryResponse {
+        version_info: version.to_owned(),
+        resources: resources
+            .iter()
+            .map(|resource| prost_types::Any {
+                type_url: TYPE_URL.to_owned(),
+                value: resource.encode_to_vec(),
+            })
+            .collect(),
+        type_url: TYPE_URL.to_owned(),
+        nonce: "n1".to_owned(),
+        ..DiscoveryResponse::default()
+    }
+}
+
+fn resource(name: &str, domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitConfig {
+    RateLimitConfig {
+        name: name.to_owned(),
+        domain: domain.to_owned(),
+        descriptors,
+    }
+}
+
+#[test]
+fn a_pushed_set_loads_like_the_files_it_stands_for() {
+    let mut nested = descriptor("remote_address", "", RateLimitUnit::Second, 5);
+    nested.descriptors = vec![descriptor("path", "/a \"b\": c", RateLimitUnit::Week, 7)];
+    let mut named = descriptor("plan", "gold", RateLimitUnit::Hour, 100);
+    if let Some(policy) = &mut named.rate_limit {
+        policy.name = "gold".to_owned();
+        policy.replaces = vec![RateLimitReplace {
+            name: "other".to_owned(),
+        }];
+    }
+    named.shadow_mode = true;
+    let mut other = descriptor("plan", "silver", RateLimitUnit::Minute, 10);
+    if let Some(policy) = &mut other.rate_limit {
+        policy.name = "other".to_owned();
+    }
+    let set = response(
+        "v7",
+        &[
+            resource("edge", "edge", vec![nested]),
+            resource("", "plans", vec![named, other]),
+        ],
+    );
+    let config = load_response(&set).unwrap();
+    assert_eq!(config.domains.len(), 2);
+    assert_eq!(config.domains["edge"].source, "xds:edge version v7");
+    assert_eq!(config.domains["plans"].source, "xds:plans version v7");
+    let described = crate::http::describe(&config);
+    assert!(
+        described.contains("edge.remote_address: 5 per second (fixed_window)"),
+        "{described}"
+    );
+    assert!(
+        described.contains("edge.remote_address.path_/a \"b\": c: 7 per week"),
+        "{described}"
+    );
+    assert!(
+        described.contains("plans.plan_gold: 100 per hour (fixed_window) name \"gold\" [shadow] replaces [\"other\"]"),
+        "{described}"
+    );
+}
+
+#[test]
+fn a_bad_set_is_refused_with_the_loaders_reason_named_by_resource() {
+    let bad = descriptor("k", "v", RateLimitUnit::Unknown, 10);
+    let error = load_response(&response("2", &[resource("bad-one", "d", vec![bad])]))
+        .err()
+        .unwrap();
+    assert!(error.starts_with("xds:bad-one:"), "{error}");
+    assert!(error.contains("unit"), "{error}");
+
+    let twice = response(
+        "3",
+        &[resource("a", "same", vec![]), resource("b", "same", vec![])],
+    );
+    let error = load_response(&twice).err().unwrap();
+    assert!(error.contains("duplicate domain 'same'"), "{error}");
+
+    let no_domain = response("4", &[resource("x", "", vec![])]);
+    assert!(load_response(&no_domain).is_err());
+}
+
+#[test]
+fn a_wrong_type_or_garbage_resource_is_refused() {
+    let mut wrong = response("1", &[resource("a", "a", vec![])]);
+    wrong.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".to_owned();
+    let error = load_response(&wrong).err().unwrap();
+    assert!(error.contains("envoy.config.cluster.v3.Cluster"), "{error}");
+
+    let mut inner = response("1", &[resource("a", "a", vec![])]);
+    inner.resources[0].type_url = "type.googleapis.com/google.protobuf.Empty".to_owned();
+    assert!(load_response(&inner).is_err());
+
+    let mut garbage = response("1", &[]);
+    garbage.resources.push(prost_types::Any {
+        type_url: TYPE_URL.to_owned(),
+        value: vec![0xff, 0xff, 0xff, 0xff],
+    });
+    let error = load_response(&garbage).err().unwrap();
+    assert!(error.contains("not a RateLimitConfig"), "{error}");
+}
+
+#[test]
+fn no_resources_is_an_empty_config() {
+    let config = load_response(&response("9", &[])).unwrap();
+    assert!(config.domains.is_empty());
+}
+
+#[test]
+fn pairs_take_either_separator() {
+    assert_eq!(
+        parse_pairs("a:1, b=2,c:x=y,").unwrap(),
+        vec![
+            ("a".to_owned(), "1".to_owned()),
+            ("b".to_owned(), "2".to_owned()),
+            ("c".to_owned(), "x=y".to_owned()),
+        ]
+    );
+    assert!(parse_pairs("novalue").is_err());
+    assert!(parse_pairs(":v").is_err());
+    assert!(parse_pairs("").unwrap().is_empty());
+}

@@ -1,0 +1,394 @@
+//! Config over xDS: the rlsd binary against a real ADS management server (tonic, our own
+//! protos), with traffic over real gRPC: first push, update, a refused push, a server restart.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::process::Rlsd;
+use common::{descriptor, http_get, request};
+use prost::Message as _;
+use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use rlsd::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use rlsd::pb::ratelimit::config::ratelimit::v3::{
+    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
+};
+use rlsd::xds::TYPE_URL;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+
+const WAIT: Duration = Duration::from_secs(20);
+const OK: i32 = 1;
+const OVER_LIMIT: i32 = 2;
+
+/// What the management server holds and has heard.
+#[derive(Default)]
+struct State {
+    /// The response every stream gets now (its nonce is the version).
+    current: Option<DiscoveryResponse>,
+    /// Every request received, with the stream's `x-token` header.
+    requests: Vec<(DiscoveryRequest, Option<String>)>,
+}
+
+#[derive(Clone)]
+struct Ads {
+    state: Arc<Mutex<State>>,
+    pushed: watch::Sender<u64>,
+}
+
+type Responses = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = Responses;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> Result<tonic::Response<Responses>, tonic::Status> {
+        let token = request
+            .metadata()
+            .get("x-token")
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let mut incoming = request.into_inner();
+        let (out, responses) = mpsc::channel(4);
+        let ads = self.clone();
+        tokio::spawn(async move {
+            let mut pushed = ads.pushed.subscribe();
+            let mut sent: Option<String> = None;
+            loop {
+                let due = {
+                    let state = ads.state.lock().unwrap();
+                    state
+                        .current
+                        .clone()
+                        .filter(|current| sent.as_deref() != Some(current.nonce.as_str()))
+                };
+                if let Some(response) = due {
+                    sent = Some(response.nonce.clone());
+                    if out.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    message = incoming.message() => match message {
+                        Ok(Some(message)) => {
+                            ads.state.lock().unwrap().requests.push((message, token.clone()));
+                        }
+                        _ => return,
+                    },
+                    changed = pushed.changed() => if changed.is_err() { return },
+                }
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(
+            responses,
+        ))))
+    }
+}
+
+/// An ADS server on its own runtime, so stopping it closes every connection, as a restart does.
+struct AdsServer {
+    ads: Ads,
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl AdsServer {
+    fn start(addr: SocketAddr, state: Arc<Mutex<State>>) -> AdsServer {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let ads = Ads {
+            state,
+            pushed: watch::channel(0).0,
+        };
+        let listener = runtime.block_on(async {
+            let deadline = Instant::now() + WAIT;
+            loop {
+                match tokio::net::TcpListener::bind(addr).await {
+                    Ok(listener) => break listener,
+                    Err(error) if Instant::now() < deadline => {
+                        eprintln!("binding {addr}: {error}; again");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(error) => panic!("binding {addr}: {error}"),
+                }
+            }
+        });
+        let addr = listener.local_addr().unwrap();
+        let service = AggregatedDiscoveryServiceServer::new(ads.clone());
+        runtime.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await
+                .unwrap();
+        });
+        AdsServer {
+            ads,
+            addr,
+            runtime: Some(runtime),
+        }
+    }
+
+    fn push(&self, version: &str, resources: Vec<RateLimitConfig>) {
+        self.push_response(response(version, resources));
+    }
+
+    fn push_response(&self, response: DiscoveryResponse) {
+        self.ads.state.lock().unwrap().current = Some(response);
+        self.ads.pushed.send_modify(|count| *count += 1);
+    }
+
+    /// Waits for a request matching `wanted`, and returns it.
+    fn wait_for(
+        &self,
+        what: &str,
+        wanted: impl Fn(&DiscoveryRequest) -> bool,
+    ) -> (DiscoveryRequest, Option<String>) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            {
+                let state = self.ads.state.lock().unwrap();
+                if let Some(found) = state.requests.iter().find(|(request, _)| wanted(request)) {
+                    return found.clone();
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no {what} within {WAIT:?}; requests: {:#?}",
+                    state.requests
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the server: every connection closes.
+    fn stop(mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+fn response(version: &str, resources: Vec<RateLimitConfig>) -> DiscoveryResponse {
+    DiscoveryResponse {
+        version_info: version.to_owned(),
+        resources: resources
+            .iter()
+            .map(|resource| prost_types::Any {
+                type_url: TYPE_URL.to_owned(),
+                value: resource.encode_to_vec(),
+            })
+            .collect(),
+        type_url: TYPE_URL.to_owned(),
+        nonce: format!("nonce-{version}"),
+        ..DiscoveryResponse::default()
+    }
+}
+
+/// Domain `xds` with `key` limited to `per_minute` (unit UNKNOWN: a refused config).
+fn limits(key: &str, per_minute: u32, unit: RateLimitUnit) -> Vec<RateLimitConfig> {
+    vec![RateLimitConfig {
+        name: "xds-limits".to_owned(),
+        domain: "xds".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            key: key.to_owned(),
+            rate_limit: Some(RateLimitPolicy {
+                unit: unit as i32,
+                requests_per_unit: per_minute,
+                ..RateLimitPolicy::default()
+            }),
+            ..RateLimitDescriptor::default()
+        }],
+    }]
+}
+
+fn is_ack(version: &str) -> impl Fn(&DiscoveryRequest) -> bool {
+    let version = version.to_owned();
+    move |request| {
+        request.version_info == version
+            && request.response_nonce == format!("nonce-{version}")
+            && request.error_detail.is_none()
+    }
+}
+
+/// The codes of `count` calls for `key=v` in domain `xds`.
+fn codes(rlsd: &Rlsd, key: &str, count: usize) -> Vec<i32> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+            .await
+            .expect("connect");
+        let mut codes = Vec::new();
+        for _ in 0..count {
+            let answer = client
+                .should_rate_limit(request("xds", vec![descriptor(&[(key, "v")])]))
+                .await
+                .expect("answer")
+                .into_inner();
+            codes.push(answer.overall_code);
+        }
+        codes
+    })
+}
+
+fn rlconfig(rlsd: &Rlsd) -> String {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(http_get(rlsd.http, "/rlconfig")).1
+}
+
+/// Polls until rlsd's log contains `needle`.
+fn wait_for_log(rlsd: &Rlsd, needle: &str) {
+    let deadline = Instant::now() + WAIT;
+    while !rlsd.log().contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "log never showed {needle:?}:\n{}",
+            rlsd.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn pushed_limits_are_enforced_updated_refused_and_kept_across_a_server_restart() {
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    server.push("1", limits("first", 2, RateLimitUnit::Minute));
+    let addr = server.addr.to_string();
+    let rlsd = Rlsd::serve([
+        "--config-xds",
+        &addr,
+        "--xds-node-id",
+        "test-node",
+        "--xds-node-metadata",
+        "zone:a,team=edge",
+        "--xds-headers",
+        "x-token:secret",
+        "--xds-retry-interval-ms",
+        "200",
+    ]);
+
+    // First push: subscribed as the node it was told to be, ACKed, enforced.
+    let (subscribe, token) = server.wait_for("subscription", |request| {
+        request.version_info.is_empty() && request.response_nonce.is_empty()
+    });
+    assert_eq!(subscribe.type_url, TYPE_URL);
+    let node = subscribe.node.expect("a node");
+    assert_eq!(node.id, "test-node");
+    let metadata = node.metadata.expect("node metadata");
+    let zone = metadata.fields.get("zone").and_then(|v| v.kind.clone());
+    assert_eq!(
+        zone,
+        Some(prost_types::value::Kind::StringValue("a".to_owned()))
+    );
+    assert!(metadata.fields.contains_key("team"));
+    assert_eq!(token.as_deref(), Some("secret"));
+    server.wait_for("ACK of version 1", is_ack("1"));
+    assert_eq!(codes(&rlsd, "first", 3), [OK, OK, OVER_LIMIT]);
+    assert!(rlconfig(&rlsd).contains("xds.first: 2 per minute"));
+
+    // An update replaces the whole config.
+    server.push("2", limits("second", 1, RateLimitUnit::Minute));
+    server.wait_for("ACK of version 2", is_ack("2"));
+    assert_eq!(codes(&rlsd, "second", 2), [OK, OVER_LIMIT]);
+    assert_eq!(codes(&rlsd, "first", 3), [OK, OK, OK], "first is gone");
+
+    // A bad push is NACKed with the reason, and version 2 keeps serving.
+    server.push("3", limits("third", 1, RateLimitUnit::Unknown));
+    let (nack, _) = server.wait_for("NACK of version 3", |request| {
+        request.response_nonce == "nonce-3" && request.error_detail.is_some()
+    });
+    assert_eq!(nack.version_info, "2", "a NACK names the last good version");
+    let reason = nack.error_detail.unwrap().message;
+    assert!(reason.contains("xds:xds-limits"), "{reason}");
+    assert_eq!(codes(&rlsd, "second", 1), [OVER_LIMIT]);
+    assert_eq!(codes(&rlsd, "third", 3), [OK, OK, OK]);
+
+    // Garbage and a wrong type are refused the same way, and change nothing.
+    let mut wrong = response("4", limits("fourth", 1, RateLimitUnit::Minute));
+    wrong.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".to_owned();
+    server.push_response(wrong);
+    server.wait_for("NACK of a wrong type", |request| {
+        request.response_nonce == "nonce-4" && request.error_detail.is_some()
+    });
+    let mut garbage = response("5", Vec::new());
+    garbage.resources.push(prost_types::Any {
+        type_url: TYPE_URL.to_owned(),
+        value: vec![0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f],
+    });
+    server.push_response(garbage);
+    server.wait_for("NACK of garbage", |request| {
+        request.response_nonce == "nonce-5" && request.error_detail.is_some()
+    });
+    assert_eq!(codes(&rlsd, "second", 1), [OVER_LIMIT]);
+
+    // The server goes away: rlsd keeps its config, and resubscribes with version 2 when the
+    // server is back on the same address.
+    let addr = server.addr;
+    server.stop();
+    wait_for_log(&rlsd, "xDS stream lost");
+    assert_eq!(codes(&rlsd, "second", 1), [OVER_LIMIT]);
+    let server = AdsServer::start(addr, Arc::default());
+    server.wait_for("resubscription with version 2", |request| {
+        request.version_info == "2" && request.response_nonce.is_empty()
+    });
+    server.push("6", limits("sixth", 1, RateLimitUnit::Hour));
+    server.wait_for("ACK of version 6", is_ack("6"));
+    assert_eq!(codes(&rlsd, "sixth", 2), [OK, OVER_LIMIT]);
+    wait_for_log(&rlsd, "version=6");
+    server.stop();
+}
+
+#[test]
+fn rlsd_waits_for_the_first_config_unless_forced_to_start() {
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    let addr = server.addr.to_string();
+    let pusher = {
+        let server_state = Arc::clone(&server.ads.state);
+        let pushed = server.ads.pushed.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            server_state.lock().unwrap().current =
+                Some(response("1", limits("late", 1, RateLimitUnit::Minute)));
+            pushed.send_modify(|count| *count += 1);
+        })
+    };
+    let started = Instant::now();
+    let rlsd = Rlsd::serve(["--config-xds", &addr]);
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "serving before the first config arrived:\n{}",
+        rlsd.log()
+    );
+    pusher.join().unwrap();
+    assert_eq!(codes(&rlsd, "late", 2), [OK, OVER_LIMIT]);
+
+    // Forced: serving at once with every domain unknown, limits once they arrive.
+    let forced_server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    let addr = forced_server.addr.to_string();
+    let forced = Rlsd::serve(["--config-xds", &addr, "--xds-force-start"]);
+    assert_eq!(codes(&forced, "late", 3), [OK, OK, OK]);
+    forced_server.push("1", limits("late", 1, RateLimitUnit::Minute));
+    forced_server.wait_for("ACK of version 1", is_ack("1"));
+    assert_eq!(codes(&forced, "late", 2), [OK, OVER_LIMIT]);
+    server.stop();
+    forced_server.stop();
+}
