@@ -42,6 +42,17 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
+/// Only the metrics, at `path`: the port `--metrics-addr` opens.
+pub fn metrics_router(path: &str, metrics: Arc<Metrics>) -> Router {
+    Router::new().route(
+        path,
+        get(move || {
+            let metrics = Arc::clone(&metrics);
+            async move { render_metrics(&metrics) }
+        }),
+    )
+}
+
 async fn healthcheck(State(state): State<AdminState>) -> (StatusCode, &'static str) {
     if state.health.draining() {
         (StatusCode::INTERNAL_SERVER_ERROR, "draining")
@@ -53,12 +64,16 @@ async fn healthcheck(State(state): State<AdminState>) -> (StatusCode, &'static s
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    render_metrics(&state.metrics)
+}
+
+fn render_metrics(metrics: &Metrics) -> impl IntoResponse + use<> {
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(),
+        metrics.render(),
     )
 }
 

@@ -19,7 +19,8 @@ use rlsd::service::{FailureMode, HeaderStyle, RateLimiter, RequestLimits, Servic
 use rlsd::store::memory::DEFAULT_MAX_KEYS;
 use rlsd::store::redis::SentinelTarget;
 use rlsd::store::{
-    ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings, RedisStore, Store,
+    ClientIdentity, ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings,
+    RedisStore, Store,
 };
 use rlsd::tls::{TlsFiles, TlsSettings};
 use rlsd::xds::{XdsClient, XdsSettings, XdsTls};
@@ -145,6 +146,18 @@ struct ServeArgs {
     /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
+    /// Also serve the metrics, and only them, on this address (a port Prometheus scrapes).
+    #[arg(long, env = "RLSD_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// The path of the metrics on `--metrics-addr`.
+    #[arg(
+        long,
+        env = "RLSD_METRICS_PATH",
+        default_value = "/metrics",
+        value_parser = url_path,
+        requires = "metrics_addr"
+    )]
+    metrics_path: String,
     /// Also serve gRPC, plaintext, on this Unix domain socket (for an Envoy on the same host or
     /// in the same pod: its cluster address is then `pipe: {path: ...}`).
     #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET", value_name = "PATH")]
@@ -181,6 +194,23 @@ struct ServeArgs {
     /// not with `--redis-mode sentinel`.
     #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
     redis_ca: Option<PathBuf>,
+    /// A PEM client certificate to present to Redis over `rediss://` (with `--redis-tls-key`);
+    /// not with `--redis-mode sentinel`.
+    #[arg(
+        long,
+        env = "RLSD_REDIS_TLS_CERT",
+        value_name = "PATH",
+        requires = "redis_tls_key"
+    )]
+    redis_tls_cert: Option<PathBuf>,
+    /// The PEM key of `--redis-tls-cert`.
+    #[arg(
+        long,
+        env = "RLSD_REDIS_TLS_KEY",
+        value_name = "PATH",
+        requires = "redis_tls_cert"
+    )]
+    redis_tls_key: Option<PathBuf>,
     /// Longest wait for a Redis connection, in milliseconds.
     #[arg(long, env = "RLSD_REDIS_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
     redis_connect_timeout_ms: u64,
@@ -394,6 +424,17 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
              cannot yet trust a private CA"
         );
     }
+    if args.redis_tls_cert.is_some() && args.redis_mode == RedisMode::Sentinel {
+        anyhow::bail!(
+            "--redis-tls-cert applies to --redis-mode single and cluster; with sentinel, rlsd \
+             cannot yet present a client certificate"
+        );
+    }
+    let redis_identity = args
+        .redis_tls_cert
+        .clone()
+        .zip(args.redis_tls_key.clone())
+        .map(|(cert, key)| ClientIdentity { cert, key });
     let loaded = match &args.config {
         // Refuse a bad config before opening any port.
         Some(path) => {
@@ -429,6 +470,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .with_grpc_unix(path, args.grpc_unix_socket_mode)
                 .context("binding --grpc-unix-socket")?,
         };
+        let listeners = match args.metrics_addr {
+            None => listeners,
+            Some(addr) => listeners
+                .with_metrics(addr, args.metrics_path.clone())
+                .await
+                .with_context(|| format!("binding --metrics-addr {addr}"))?,
+        };
         let settings = ServiceSettings {
             keys: KeySettings {
                 prefix: args.key_prefix.clone(),
@@ -457,6 +505,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 cluster.connect_timeout = Duration::from_millis(args.redis_connect_timeout_ms);
                 cluster.command_timeout = Duration::from_millis(args.redis_command_timeout_ms);
                 cluster.ca_file.clone_from(&args.redis_ca);
+                cluster.client_identity.clone_from(&redis_identity);
                 // No over-limit cache here: the cluster store refunds cross-slot denials, so quota
                 // can come back before a denial's reset, which the cache's exactness relies on.
                 let store = Arc::new(ClusterStore::connect(cluster).await?);
@@ -469,6 +518,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 redis.max_batch = args.redis_max_batch.max(1);
                 redis.pipelines = args.redis_pipelines.max(1);
                 redis.ca_file.clone_from(&args.redis_ca);
+                redis.client_identity.clone_from(&redis_identity);
                 redis.lanes = serving_lanes(&args);
                 if args.redis_mode == RedisMode::Sentinel {
                     redis.sentinel = Some(SentinelTarget {
@@ -630,6 +680,14 @@ struct Pairs(Vec<(String, String)>);
 
 fn pairs(text: &str) -> Result<Pairs, String> {
     rlsd::xds::parse_pairs(text).map(Pairs)
+}
+
+fn url_path(text: &str) -> Result<String, String> {
+    if text.starts_with('/') {
+        Ok(text.to_owned())
+    } else {
+        Err("a path starting with /".into())
+    }
 }
 
 fn octal_mode(text: &str) -> Result<u32, String> {

@@ -76,7 +76,25 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     {
         config.push(part);
     }
-    flags.flag("config", config.display().to_string());
+    match get("CONFIG_TYPE") {
+        None => flags.flag("config", config.display().to_string()),
+        Some(kind) if kind.eq_ignore_ascii_case("FILE") => {
+            flags.flag("config", config.display().to_string());
+        }
+        Some(kind) if kind.eq_ignore_ascii_case("GRPC_XDS_SOTW") => xds(&get, &mut flags)?,
+        Some(kind) => {
+            return Err(invalid("CONFIG_TYPE", &kind, "FILE or GRPC_XDS_SOTW"));
+        }
+    }
+    // rlsd always skips dotfiles (Kubernetes keeps a ConfigMap's real files under `..data`).
+    if get("RUNTIME_IGNOREDOTFILES").is_some()
+        && !boolean("RUNTIME_IGNOREDOTFILES", get("RUNTIME_IGNOREDOTFILES"))?
+    {
+        flags.notes.push(
+            "RUNTIME_IGNOREDOTFILES=false: rlsd skips files whose names start with '.' all the same"
+                .into(),
+        );
+    }
 
     let host_port = |host_variable: &'static str, port: &'static str, default_port: &str| {
         let ip = match get(host_variable) {
@@ -129,12 +147,6 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         }
     }
 
-    refuse_unless(
-        "CONFIG_TYPE",
-        get("CONFIG_TYPE"),
-        "FILE",
-        "rlsd reads config files only",
-    )?;
     refuse_if_true(
         "MERGE_DOMAIN_CONFIG",
         get("MERGE_DOMAIN_CONFIG"),
@@ -199,6 +211,13 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         flags.flag("tls-key", key);
         if let Some(ca) = get("GRPC_CLIENT_TLS_CACERT") {
             flags.flag("tls-client-ca", ca);
+        } else if get("GRPC_SERVER_TLS_CA_CERT").is_some() {
+            // Envoy Gateway sets it; envoyproxy/ratelimit reads no such variable.
+            flags.notes.push(
+                "GRPC_SERVER_TLS_CA_CERT: not read (as by envoyproxy/ratelimit); client \
+                 certificates are checked only with GRPC_CLIENT_TLS_CACERT"
+                    .into(),
+            );
         }
         if let Some(san) = get("GRPC_CLIENT_TLS_SAN") {
             return Err(unsupported(
@@ -215,12 +234,131 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
             .notes
             .push("USE_STATSD: rlsd sends no statsd; Prometheus metrics are on /metrics".into());
     }
+    if boolean("USE_PROMETHEUS", get("USE_PROMETHEUS"))? {
+        let addr = get("PROMETHEUS_ADDR").unwrap_or(":9090".into());
+        let listen = go_listen_addr(&addr)
+            .ok_or_else(|| invalid("PROMETHEUS_ADDR", &addr, "[IP]:port, such as :9090"))?;
+        flags.flag("metrics-addr", listen.to_string());
+        if let Some(path) = get("PROMETHEUS_PATH") {
+            if !path.starts_with('/') {
+                return Err(invalid("PROMETHEUS_PATH", &path, "a path starting with /"));
+            }
+            flags.flag("metrics-path", path);
+        }
+        if get("PROMETHEUS_MAPPER_YAML").is_some() {
+            flags.notes.push(
+                "PROMETHEUS_MAPPER_YAML: not read; rlsd's metrics are native Prometheus, named \
+                 ratelimit_service_* as the default mapping names envoyproxy/ratelimit's"
+                    .into(),
+            );
+        }
+    }
     if get("DEBUG_PORT").is_some() {
         flags
             .notes
             .push("DEBUG_PORT: /rlconfig is on the HTTP port (PORT), not a debug port".into());
     }
     Ok(flags)
+}
+
+/// CONFIG_GRPC_XDS_* as `--config-xds` and the `--xds-*` flags.
+fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<(), EnvError> {
+    flags.flag(
+        "config-xds",
+        get("CONFIG_GRPC_XDS_SERVER_URL").unwrap_or("localhost:18000".into()),
+    );
+    if let Some(id) = get("CONFIG_GRPC_XDS_NODE_ID") {
+        flags.flag("xds-node-id", id);
+    }
+    for (variable, flag) in [
+        ("CONFIG_GRPC_XDS_NODE_METADATA", "xds-node-metadata"),
+        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "xds-headers"),
+    ] {
+        if let Some(pairs) = get(variable) {
+            crate::xds::parse_pairs(&pairs)
+                .map_err(|_| invalid(variable, &pairs, "key:value pairs, comma-separated"))?;
+            flags.flag(flag, pairs);
+        }
+    }
+    if let Some(interval) = get("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL") {
+        let duration = go_duration(&interval).ok_or_else(|| {
+            invalid(
+                "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+                &interval,
+                "a duration such as 3s or 500ms",
+            )
+        })?;
+        flags.flag("xds-retry-interval-ms", duration.as_millis().to_string());
+    }
+    if boolean(
+        "CONFIG_GRPC_XDS_SERVER_USE_TLS",
+        get("CONFIG_GRPC_XDS_SERVER_USE_TLS"),
+    )? {
+        flags.args.push("--xds-tls".into());
+        for (variable, flag) in [
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "xds-tls-ca"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "xds-tls-cert"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "xds-tls-key"),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "xds-tls-san"),
+        ] {
+            if let Some(value) = get(variable) {
+                flags.flag(flag, value);
+            }
+        }
+    }
+    if boolean(
+        "FORCE_START_WITHOUT_INITIAL_CONFIG",
+        get("FORCE_START_WITHOUT_INITIAL_CONFIG"),
+    )? {
+        flags.args.push("--xds-force-start".into());
+    }
+    Ok(())
+}
+
+/// A Go listen address (`:9090`, `0.0.0.0:9090`, `localhost:9090`, `[::1]:9090`).
+fn go_listen_addr(text: &str) -> Option<SocketAddr> {
+    let (host, port) = text.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let ip = match host.trim_matches(['[', ']']) {
+        "" => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        name if name.eq_ignore_ascii_case("localhost") => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        address => address.parse().ok()?,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// A Go `time.Duration` string (`3s`, `1m30s`, `250ms`, `1.5s`).
+fn go_duration(text: &str) -> Option<std::time::Duration> {
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    if rest == "0" {
+        return Some(std::time::Duration::ZERO);
+    }
+    let mut total = 0.0_f64;
+    while !rest.is_empty() {
+        let number_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter(|&end| end > 0)?;
+        let number: f64 = rest[..number_end].parse().ok()?;
+        rest = &rest[number_end..];
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let seconds = match &rest[..unit_end] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        total += number * seconds;
+        rest = &rest[unit_end..];
+    }
+    std::time::Duration::try_from_secs_f64(total).ok()
 }
 
 /// REDIS_* as `--redis-url` and `--redis-mode`.
@@ -230,12 +368,24 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
     let socket = get("REDIS_SOCKET_TYPE").unwrap_or("unix".into());
     let url = get("REDIS_URL").unwrap_or("/var/run/nutcracker/ratelimit.sock".into());
     let auth = get("REDIS_AUTH");
-    for variable in ["REDIS_TLS_CLIENT_CERT", "REDIS_TLS_CLIENT_KEY"] {
-        if let Some(value) = get(variable) {
-            return Err(unsupported(
-                variable,
-                value,
-                "rlsd does not present a client certificate to Redis",
+    match (get("REDIS_TLS_CLIENT_CERT"), get("REDIS_TLS_CLIENT_KEY")) {
+        (None, None) => {}
+        (Some(cert), Some(key)) => {
+            flags.flag("redis-tls-cert", cert);
+            flags.flag("redis-tls-key", key);
+        }
+        (Some(cert), None) => {
+            return Err(invalid(
+                "REDIS_TLS_CLIENT_CERT",
+                &cert,
+                "REDIS_TLS_CLIENT_KEY set as well",
+            ));
+        }
+        (None, Some(key)) => {
+            return Err(invalid(
+                "REDIS_TLS_CLIENT_KEY",
+                &key,
+                "REDIS_TLS_CLIENT_CERT set as well",
             ));
         }
     }

@@ -21,7 +21,8 @@ use rlsd::pb::rate_limit_response::Code;
 use rlsd::server::ServeOptions;
 use rlsd::service::ServiceSettings;
 use rlsd::store::{
-    Check, ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore, Store, StoreError,
+    Check, ClientIdentity, ClusterSettings, ClusterStore, MemoryStore, RedisSettings, RedisStore,
+    Store, StoreError,
 };
 use rlsd::tls::{TlsError, TlsFiles, TlsReload, TlsSettings};
 use tokio::io::AsyncReadExt;
@@ -644,6 +645,7 @@ fn tls_redis(pki: &Pki) -> (RedisServer, Issued) {
         ca: ca.cert.clone(),
         user: "rlsd".to_owned(),
         password: "s3cret".to_owned(),
+        client_cert: None,
     });
     (redis, ca)
 }
@@ -663,11 +665,72 @@ fn check(key: &str) -> Check {
 }
 
 async fn redis_store(url: String, ca: Option<&Issued>) -> Result<RedisStore, StoreError> {
+    redis_store_as(url, ca, None).await
+}
+
+async fn redis_store_as(
+    url: String,
+    ca: Option<&Issued>,
+    identity: Option<&Issued>,
+) -> Result<RedisStore, StoreError> {
     let mut settings = RedisSettings::new(url);
     settings.command_timeout = Duration::from_secs(2);
     settings.connect_timeout = Duration::from_secs(2);
     settings.ca_file = ca.map(|ca| ca.cert.clone());
+    settings.client_identity = identity.map(|identity| ClientIdentity {
+        cert: identity.cert.clone(),
+        key: identity.key.clone(),
+    });
     RedisStore::connect(settings).await
+}
+
+/// A Redis that wants client certificates (`tls-auth-clients yes`, as Envoy Gateway's
+/// `REDIS_TLS_CLIENT_CERT/KEY` are for): rlsd decides presenting one its CA signed, and is
+/// turned away without one or with one another CA signed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_presents_a_client_certificate_when_redis_wants_one() {
+    let pki = Pki::new();
+    let ca = pki.ca("mtls-redis-ca");
+    let server = pki.issue(&ca, "redis", Leaf::Server, 11);
+    let client = pki.issue(&ca, "rlsd-client", Leaf::Client, 12);
+    let stranger_ca = pki.ca("stranger-ca");
+    let stranger = pki.issue(&stranger_ca, "stranger", Leaf::Client, 13);
+    let redis = RedisServer::start_tls(RedisTls {
+        cert: server.cert,
+        key: server.key,
+        ca: ca.cert.clone(),
+        user: "rlsd".to_owned(),
+        password: "s3cret".to_owned(),
+        client_cert: Some((client.cert.clone(), client.key.clone())),
+    });
+
+    let store = redis_store_as(redis.url(), Some(&ca), Some(&client))
+        .await
+        .expect("url");
+    for expected in [true, true, false] {
+        let outcomes = store.decide(&[check("mtls:k")]).await.expect("decided");
+        assert_eq!(outcomes[0].verdict.allowed, expected);
+    }
+    for (name, identity) in [("none", None), ("stranger", Some(&stranger))] {
+        let key = format!("mtls:{name}");
+        let refused = redis_store_as(redis.url(), Some(&ca), identity)
+            .await
+            .expect("url");
+        let outcome = refused.decide(&[check(&key)]).await;
+        assert!(outcome.is_err(), "{name}: {outcome:?}");
+        assert_eq!(redis.cli(&["EXISTS", &key]).as_deref(), Some("0"));
+    }
+    assert_eq!(redis.cli(&["EXISTS", "mtls:k"]).as_deref(), Some("1"));
+
+    // A key file holding no key is a config error naming it.
+    let mut settings = RedisSettings::new(redis.url());
+    settings.client_identity = Some(ClientIdentity {
+        cert: client.cert.clone(),
+        key: client.cert.clone(),
+    });
+    let error = RedisStore::connect(settings).await.err().expect("refused");
+    assert!(matches!(error, StoreError::Config(_)), "{error}");
+    assert!(error.to_string().contains("client key"), "{error}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

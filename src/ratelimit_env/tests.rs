@@ -225,7 +225,33 @@ fn what_would_change_the_answers_is_refused_by_name() {
         Ok(flags) => panic!("{vars:?} accepted: {flags:?}"),
     };
     for (vars, variable) in [
-        (&[("CONFIG_TYPE", "GRPC_XDS_SOTW")][..], "CONFIG_TYPE"),
+        (&[("CONFIG_TYPE", "GRPC_XDS_DELTA")][..], "CONFIG_TYPE"),
+        (
+            &[
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "soon"),
+            ],
+            "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+        ),
+        (
+            &[
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                ("CONFIG_GRPC_XDS_NODE_METADATA", "no-separator"),
+            ],
+            "CONFIG_GRPC_XDS_NODE_METADATA",
+        ),
+        (
+            &[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "9090")],
+            "PROMETHEUS_ADDR",
+        ),
+        (
+            &[("USE_PROMETHEUS", "true"), ("PROMETHEUS_PATH", "metrics")],
+            "PROMETHEUS_PATH",
+        ),
+        (
+            &[("REDIS_TLS_CLIENT_KEY", "/k.pem")],
+            "REDIS_TLS_CLIENT_KEY",
+        ),
         (&[("MERGE_DOMAIN_CONFIG", "true")], "MERGE_DOMAIN_CONFIG"),
         (&[("BACKEND_TYPE", "memcache")], "BACKEND_TYPE"),
         (
@@ -271,4 +297,132 @@ fn what_would_change_the_answers_is_refused_by_name() {
     );
     // Empty is unset, as envconfig reads it.
     assert!(read(&[("CONFIG_TYPE", ""), ("SHADOW_MODE", "")]).is_ok());
+}
+
+/// The environment Envoy Gateway gives the ratelimit container (its
+/// `internal/infrastructure/kubernetes/ratelimit`), with TLS, Redis over TLS and Prometheus on.
+const ENVOY_GATEWAY: &[(&str, &str)] = &[
+    ("RUNTIME_ROOT", "/data"),
+    ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+    ("RUNTIME_IGNOREDOTFILES", "true"),
+    ("RUNTIME_WATCH_ROOT", "false"),
+    ("LOG_LEVEL", "info"),
+    ("USE_STATSD", "false"),
+    ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+    (
+        "CONFIG_GRPC_XDS_SERVER_URL",
+        "envoy-gateway.envoy-gateway-system.svc.cluster.local:18001",
+    ),
+    ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+    ("REDIS_SOCKET_TYPE", "tcp"),
+    ("REDIS_URL", "redis.redis-system.svc.cluster.local:6379"),
+    ("REDIS_TLS", "true"),
+    ("REDIS_TLS_CLIENT_CERT", "/redis-certs/tls.crt"),
+    ("REDIS_TLS_CLIENT_KEY", "/redis-certs/tls.key"),
+    ("GRPC_SERVER_USE_TLS", "true"),
+    ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
+    ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
+    ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+    ("USE_PROMETHEUS", "true"),
+    ("PROMETHEUS_ADDR", ":19001"),
+    ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
+];
+
+#[test]
+fn envoy_gateways_variables_mean_xds_over_tls_redis_over_tls_and_a_metrics_port() {
+    let flags = read(ENVOY_GATEWAY).expect("supported");
+    assert_eq!(value(&flags, "config"), None);
+    assert_eq!(
+        value(&flags, "config-xds"),
+        Some("envoy-gateway.envoy-gateway-system.svc.cluster.local:18001")
+    );
+    assert_eq!(value(&flags, "xds-node-id"), Some("envoy-ratelimit"));
+    assert!(flags.args.iter().any(|arg| arg == "--xds-tls"));
+    assert!(flags.args.iter().any(|arg| arg == "--xds-force-start"));
+    assert_eq!(value(&flags, "xds-tls-ca"), Some("/certs/ca.crt"));
+    assert_eq!(value(&flags, "xds-tls-cert"), Some("/certs/tls.crt"));
+    assert_eq!(value(&flags, "xds-tls-key"), Some("/certs/tls.key"));
+    assert_eq!(value(&flags, "tls-cert"), Some("/certs/tls.crt"));
+    assert_eq!(value(&flags, "tls-key"), Some("/certs/tls.key"));
+    assert_eq!(value(&flags, "tls-client-ca"), None);
+    assert_eq!(
+        value(&flags, "redis-url"),
+        Some("rediss://redis.redis-system.svc.cluster.local:6379")
+    );
+    assert_eq!(
+        value(&flags, "redis-tls-cert"),
+        Some("/redis-certs/tls.crt")
+    );
+    assert_eq!(value(&flags, "redis-tls-key"), Some("/redis-certs/tls.key"));
+    assert_eq!(value(&flags, "metrics-addr"), Some("0.0.0.0:19001"));
+    assert_eq!(value(&flags, "log-level"), Some("info"));
+    // The CA variable envoyproxy/ratelimit ignores, and the statsd mapping, are noted.
+    assert_eq!(flags.notes.len(), 2, "{:?}", flags.notes);
+    assert!(
+        flags.notes[0].starts_with("GRPC_SERVER_TLS_CA_CERT"),
+        "{:?}",
+        flags.notes
+    );
+    assert!(
+        flags.notes[1].starts_with("PROMETHEUS_MAPPER_YAML"),
+        "{:?}",
+        flags.notes
+    );
+}
+
+#[test]
+fn xds_variables_take_envoyproxy_ratelimits_defaults_and_go_durations() {
+    let flags = read(&[("CONFIG_TYPE", "grpc_xds_sotw")]).expect("supported");
+    assert_eq!(value(&flags, "config-xds"), Some("localhost:18000"));
+    assert_eq!(value(&flags, "xds-node-id"), None);
+    assert!(!flags.args.iter().any(|arg| arg.starts_with("--xds-tls")));
+    assert!(!flags.args.iter().any(|arg| arg == "--xds-force-start"));
+
+    let flags = read(&[
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_NODE_METADATA", "zone:a,team=edge"),
+        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "x-token:abc"),
+        ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "1m1.5s"),
+        // Without USE_TLS, the TLS files are not used (as by envoyproxy/ratelimit).
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/ca.pem"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&flags, "xds-node-metadata"), Some("zone:a,team=edge"));
+    assert_eq!(value(&flags, "xds-headers"), Some("x-token:abc"));
+    assert_eq!(value(&flags, "xds-retry-interval-ms"), Some("61500"));
+    assert_eq!(value(&flags, "xds-tls-ca"), None);
+
+    for (text, millis) in [
+        ("3s", Some(3000)),
+        ("250ms", Some(250)),
+        ("1h", Some(3_600_000)),
+        ("0", Some(0)),
+        ("1500us", Some(1)),
+        ("", None),
+        ("3", None),
+        ("s", None),
+        ("3x", None),
+        ("-1s", None),
+    ] {
+        assert_eq!(go_duration(text).map(|d| d.as_millis()), millis, "{text:?}");
+    }
+    for (text, addr) in [
+        (":19001", Some("0.0.0.0:19001")),
+        ("127.0.0.1:9090", Some("127.0.0.1:9090")),
+        ("localhost:9090", Some("127.0.0.1:9090")),
+        ("[::1]:9090", Some("[::1]:9090")),
+        ("9090", None),
+        ("host.example:9090", None),
+    ] {
+        assert_eq!(
+            go_listen_addr(text).map(|a| a.to_string()).as_deref(),
+            addr,
+            "{text:?}"
+        );
+    }
 }

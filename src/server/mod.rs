@@ -60,6 +60,8 @@ pub struct Listeners {
     pub http: TcpListener,
     /// gRPC on a Unix domain socket as well, plaintext (TLS covers the TCP port only).
     pub grpc_unix: Option<UnixSocket>,
+    /// A second HTTP port serving only the metrics, and the path it serves them on.
+    pub metrics: Option<(TcpListener, String)>,
 }
 
 impl Listeners {
@@ -72,7 +74,21 @@ impl Listeners {
             grpc: TcpListener::bind(grpc).await?,
             http: TcpListener::bind(http).await?,
             grpc_unix: None,
+            metrics: None,
         })
+    }
+
+    /// Serves the metrics at `path` on `addr` too (Prometheus scraping a port of its own).
+    ///
+    /// # Errors
+    /// When the address cannot be bound.
+    pub async fn with_metrics(
+        mut self,
+        addr: SocketAddr,
+        path: String,
+    ) -> std::io::Result<Listeners> {
+        self.metrics = Some((TcpListener::bind(addr).await?, path));
+        Ok(self)
     }
 
     /// Serves gRPC on the Unix socket at `path` too, with permissions `mode` (see
@@ -274,6 +290,11 @@ pub async fn run_with<S: Store>(
         stopped(stop_rx.clone()),
         options.shutdown_grace,
     );
+    let metrics_only = listeners.metrics.map(|(listener, path)| {
+        let serve = axum::serve(listener, http::metrics_router(&path, Arc::clone(&metrics)))
+            .with_graceful_shutdown(stopped(stop_rx.clone()));
+        tokio::spawn(async move { serve.await })
+    });
     let admin_state = AdminState {
         config,
         metrics,
@@ -283,6 +304,12 @@ pub async fn run_with<S: Store>(
     let admin = axum::serve(listeners.http, http::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));
     let ((), admin) = tokio::join!(grpc, admin);
+    if let Some(task) = metrics_only {
+        match task.await {
+            Ok(result) => result.map_err(ServerError::Http)?,
+            Err(error) => tracing::warn!(%error, "metrics port task failed"),
+        }
+    }
     prober.abort();
     if let Some(watcher) = tls_watcher {
         watcher.abort();

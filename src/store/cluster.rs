@@ -35,7 +35,7 @@ use crate::algorithm::{Hits, Params};
 use crate::clock::Clock;
 use crate::limit::Algorithm;
 
-use super::redis::{SCRIPT, ScriptCall, split_reply, trusted_ca};
+use super::redis::{ClientIdentity, SCRIPT, ScriptCall, split_reply, tls_certificates};
 use super::{Check, Outcome, Store, StoreError, request_allowed};
 
 /// How to reach a Redis Cluster.
@@ -52,6 +52,8 @@ pub struct ClusterSettings {
     /// A PEM file of CA certificates to trust for `rediss://` nodes instead of the built-in
     /// roots.
     pub ca_file: Option<std::path::PathBuf>,
+    /// A certificate to present to the nodes (`tls-auth-clients yes`).
+    pub client_identity: Option<ClientIdentity>,
 }
 
 impl ClusterSettings {
@@ -63,6 +65,7 @@ impl ClusterSettings {
             command_timeout: Duration::from_millis(5),
             fixed_clock: None,
             ca_file: None,
+            client_identity: None,
         }
     }
 }
@@ -91,8 +94,11 @@ impl ClusterStore {
             .connection_timeout(settings.connect_timeout)
             .response_timeout(settings.command_timeout)
             .retries(2);
-        if let Some(path) = &settings.ca_file {
-            builder = builder.certs(trusted_ca(path)?);
+        if let Some(certificates) = tls_certificates(
+            settings.ca_file.as_deref(),
+            settings.client_identity.as_ref(),
+        )? {
+            builder = builder.certs(certificates);
         }
         let client = builder
             .build()

@@ -12,7 +12,7 @@ use crate::algorithm::{Hits, Params, Verdict};
 pub use cache::OverLimitCache;
 pub use cluster::{ClusterSettings, ClusterStore};
 pub use memory::{MemoryStore, MemoryStoreStats};
-pub use redis::{RedisSettings, RedisStore};
+pub use redis::{ClientIdentity, RedisSettings, RedisStore};
 
 /// One limit to check for one request: the store sees keys and numbers, never descriptors.
 #[derive(Clone, Debug, PartialEq)]

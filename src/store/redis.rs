@@ -16,8 +16,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::algorithm::{Hits, Params, Verdict};
 use crate::clock::Clock;
@@ -44,6 +44,8 @@ pub struct RedisSettings {
     pub pipelines: usize,
     /// A PEM file of CA certificates to trust for `rediss://` instead of the built-in roots.
     pub ca_file: Option<std::path::PathBuf>,
+    /// A certificate to present to Redis (`tls-auth-clients yes`) over `rediss://`.
+    pub client_identity: Option<ClientIdentity>,
     /// Find the master through Redis Sentinel instead of `url`, following failovers.
     pub sentinel: Option<SentinelTarget>,
     /// Serving lanes (`server::ServeOptions::lanes`) that each get a connection and batchers of
@@ -73,51 +75,102 @@ impl RedisSettings {
             max_batch: DEFAULT_MAX_BATCH,
             pipelines: DEFAULT_PIPELINES,
             ca_file: None,
+            client_identity: None,
             sentinel: None,
             lanes: 0,
         }
     }
 }
 
-/// A client for `settings.url`, trusting `settings.ca_file` when there is one.
+/// PEM files of the certificate rlsd presents to Redis, and its private key.
+#[derive(Clone, Debug)]
+pub struct ClientIdentity {
+    /// The certificate chain.
+    pub cert: std::path::PathBuf,
+    /// Its private key.
+    pub key: std::path::PathBuf,
+}
+
+/// A client for `settings.url`, trusting `settings.ca_file` and presenting
+/// `settings.client_identity` when there are any.
 fn client(settings: &RedisSettings) -> Result<redis::Client, StoreError> {
-    let Some(path) = &settings.ca_file else {
+    let Some(certificates) = tls_certificates(
+        settings.ca_file.as_deref(),
+        settings.client_identity.as_ref(),
+    )?
+    else {
         return redis::Client::open(settings.url.as_str())
             .map_err(|error| StoreError::Config(format!("invalid redis url: {error}")));
     };
-    redis::Client::build_with_tls(settings.url.as_str(), trusted_ca(path)?).map_err(|error| {
+    redis::Client::build_with_tls(settings.url.as_str(), certificates).map_err(|error| {
         StoreError::Config(format!(
-            "invalid redis url with --redis-ca (needs rediss://): {error}"
+            "invalid redis url with a CA or client certificate (needs rediss://): {error}"
         ))
     })
 }
 
-/// The CA certificates in the PEM file at `path`, as redis-rs takes them to trust instead of
-/// the built-in roots; an unreadable file or one without a certificate is an error naming it.
-pub(super) fn trusted_ca(path: &std::path::Path) -> Result<redis::TlsCertificates, StoreError> {
-    let root_cert = std::fs::read(path).map_err(|error| {
-        StoreError::Config(format!("cannot read redis CA {}: {error}", path.display()))
-    })?;
-    let found = CertificateDer::pem_slice_iter(&root_cert).collect::<Result<Vec<_>, _>>();
-    match found {
-        Ok(found) if !found.is_empty() => {}
-        Ok(_) => {
-            return Err(StoreError::Config(format!(
-                "redis CA {}: no PEM certificate (BEGIN CERTIFICATE) found",
-                path.display()
-            )));
-        }
-        Err(error) => {
-            return Err(StoreError::Config(format!(
-                "redis CA {}: invalid PEM certificate: {error}",
-                path.display()
-            )));
-        }
+/// The CA to trust instead of the built-in roots and the certificate to present, as redis-rs
+/// takes them; `None` when neither is given. An unreadable file, or one without the PEM block
+/// it should hold, is an error naming it.
+pub(super) fn tls_certificates(
+    ca: Option<&std::path::Path>,
+    identity: Option<&ClientIdentity>,
+) -> Result<Option<redis::TlsCertificates>, StoreError> {
+    if ca.is_none() && identity.is_none() {
+        return Ok(None);
     }
-    Ok(redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(root_cert),
+    let root_cert = ca
+        .map(|path| {
+            let pem = read_pem("CA", path)?;
+            check_certificates("CA", path, &pem)?;
+            Ok::<_, StoreError>(pem)
+        })
+        .transpose()?;
+    let client_tls = identity
+        .map(|identity| {
+            let client_cert = read_pem("client certificate", &identity.cert)?;
+            check_certificates("client certificate", &identity.cert, &client_cert)?;
+            let client_key = read_pem("client key", &identity.key)?;
+            if PrivateKeyDer::from_pem_slice(&client_key).is_err() {
+                return Err(StoreError::Config(format!(
+                    "redis client key {}: no PEM private key found",
+                    identity.key.display()
+                )));
+            }
+            Ok(redis::ClientTlsConfig {
+                client_cert,
+                client_key,
+            })
+        })
+        .transpose()?;
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
+fn read_pem(what: &str, path: &std::path::Path) -> Result<Vec<u8>, StoreError> {
+    std::fs::read(path).map_err(|error| {
+        StoreError::Config(format!(
+            "cannot read redis {what} {}: {error}",
+            path.display()
+        ))
     })
+}
+
+/// At least one certificate, and no broken one, in `pem`.
+fn check_certificates(what: &str, path: &std::path::Path, pem: &[u8]) -> Result<(), StoreError> {
+    match CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>() {
+        Ok(found) if !found.is_empty() => Ok(()),
+        Ok(_) => Err(StoreError::Config(format!(
+            "redis {what} {}: no PEM certificate (BEGIN CERTIFICATE) found",
+            path.display()
+        ))),
+        Err(error) => Err(StoreError::Config(format!(
+            "redis {what} {}: invalid PEM certificate: {error}",
+            path.display()
+        ))),
+    }
 }
 
 /// Default bound on requests per coalesced EVALSHA.

@@ -28,6 +28,9 @@ pub struct RedisTls {
     pub user: String,
     /// That user's password.
     pub password: String,
+    /// When set, clients must present a certificate `ca` signed (`tls-auth-clients yes`);
+    /// redis-cli presents this one (certificate, key).
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 fn free_port() -> u16 {
@@ -49,8 +52,8 @@ impl RedisServer {
         server
     }
 
-    /// Starts redis-server speaking only TLS (`--tls-port`, no plain port; clients need no
-    /// certificate) with one ACL user, and waits until it answers.
+    /// Starts redis-server speaking only TLS (`--tls-port`, no plain port; clients need a
+    /// certificate only with `tls.client_cert`) with one ACL user, and waits until it answers.
     pub fn start_tls(tls: RedisTls) -> RedisServer {
         let mut server = RedisServer {
             port: free_port(),
@@ -89,7 +92,14 @@ impl RedisServer {
         match &self.tls {
             None => command.args(["--port", &self.port.to_string()]),
             Some(tls) => tls_only(&mut command, self.port, &tls.cert, &tls.key, &tls.ca)
-                .args(["--tls-auth-clients", "no"])
+                .args([
+                    "--tls-auth-clients",
+                    if tls.client_cert.is_some() {
+                        "yes"
+                    } else {
+                        "no"
+                    },
+                ])
                 .args(["--user", "default", "off"])
                 .args(["--user", &tls.user, "on", &format!(">{}", tls.password)])
                 .args(["~*", "&*", "+@all"]),
@@ -123,6 +133,9 @@ impl RedisServer {
                 .arg(&tls.ca)
                 .args(["--user", &tls.user, "--pass", &tls.password])
                 .arg("--no-auth-warning");
+            if let Some((cert, key)) = &tls.client_cert {
+                command.arg("--cert").arg(cert).arg("--key").arg(key);
+            }
         }
         let output = command.args(args).output().ok()?;
         output
