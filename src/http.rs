@@ -100,8 +100,18 @@ async fn json_request(State(state): State<AdminState>, body: Bytes) -> Response 
     }
 }
 
+/// The limits as [`describe`] prints them, after one `# <domain>: <source>` line per domain
+/// pushed over xDS, so an operator sees which resource and version is serving.
 async fn rlconfig(State(state): State<AdminState>) -> String {
-    describe(&state.config.load())
+    let config = state.config.load();
+    let mut pushed: Vec<String> = config
+        .domains
+        .values()
+        .filter(|domain| domain.source.starts_with("xds:"))
+        .map(|domain| format!("# {}: {}\n", domain.name, domain.source))
+        .collect();
+    pushed.sort();
+    pushed.concat() + &describe(&config)
 }
 
 /// One line per configured limit: `<path>: <limit>`, sorted, as `rlsd check` prints it.

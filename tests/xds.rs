@@ -8,7 +8,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::process::Rlsd;
+use common::pki::{Leaf, Pki};
+use common::process::{Rlsd, command_at};
+use common::redis::{RedisServer, RedisTls};
 use common::{descriptor, http_get, request};
 use prost::Message as _;
 use rlsd::pb::RateLimitServiceClient;
@@ -23,6 +25,7 @@ use rlsd::xds::TYPE_URL;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity, ServerTlsConfig};
 
 const WAIT: Duration = Duration::from_secs(20);
 const OK: i32 = 1;
@@ -104,6 +107,15 @@ struct AdsServer {
 
 impl AdsServer {
     fn start(addr: SocketAddr, state: Arc<Mutex<State>>) -> AdsServer {
+        AdsServer::start_with(addr, state, None)
+    }
+
+    /// Serves over TLS (`tls` holds its identity and, for mutual TLS, the client CA).
+    fn start_with(
+        addr: SocketAddr,
+        state: Arc<Mutex<State>>,
+        tls: Option<ServerTlsConfig>,
+    ) -> AdsServer {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -129,7 +141,11 @@ impl AdsServer {
         let addr = listener.local_addr().unwrap();
         let service = AggregatedDiscoveryServiceServer::new(ads.clone());
         runtime.spawn(async move {
-            tonic::transport::Server::builder()
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(tls) = tls {
+                builder = builder.tls_config(tls).unwrap();
+            }
+            builder
                 .add_service(service)
                 .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
                 .await
@@ -303,7 +319,12 @@ fn pushed_limits_are_enforced_updated_refused_and_kept_across_a_server_restart()
     assert_eq!(token.as_deref(), Some("secret"));
     server.wait_for("ACK of version 1", is_ack("1"));
     assert_eq!(codes(&rlsd, "first", 3), [OK, OK, OVER_LIMIT]);
-    assert!(rlconfig(&rlsd).contains("xds.first: 2 per minute"));
+    let shown = rlconfig(&rlsd);
+    assert!(shown.contains("xds.first: 2 per minute"), "{shown}");
+    assert!(
+        shown.starts_with("# xds: xds:xds-limits version 1\n"),
+        "{shown}"
+    );
 
     // An update replaces the whole config.
     server.push("2", limits("second", 1, RateLimitUnit::Minute));
@@ -391,4 +412,138 @@ fn rlsd_waits_for_the_first_config_unless_forced_to_start() {
     assert_eq!(codes(&forced, "late", 2), [OK, OVER_LIMIT]);
     server.stop();
     forced_server.stop();
+}
+
+/// `ratelimit` with exactly the environment Envoy Gateway gives it: limits over xDS with mutual
+/// TLS, gRPC served over TLS, Redis over TLS with a client certificate, metrics on
+/// PROMETHEUS_ADDR. One `tls.crt` serves and connects, as Envoy Gateway mounts one secret.
+/// Only addresses (loopback, free ports) and the Redis ACL user and CA are the test's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratelimit_serves_with_envoy_gateways_environment_over_tls() {
+    let pki = Pki::new();
+    let ca = pki.ca("envoy-gateway-ca");
+    let own = pki.issue(&ca, "envoy-ratelimit", Leaf::ServerAndClient, 2);
+    let control_plane = pki.issue(&ca, "envoy-gateway", Leaf::Server, 3);
+    let redis_cert = pki.issue(&ca, "redis", Leaf::Server, 4);
+    let redis = RedisServer::start_tls(RedisTls {
+        cert: redis_cert.cert.clone(),
+        key: redis_cert.key.clone(),
+        ca: ca.cert.clone(),
+        user: "rlsd".to_owned(),
+        password: "s3cret".to_owned(),
+        client_cert: Some((own.cert.clone(), own.key.clone())),
+    });
+    let state = Arc::new(Mutex::new(State::default()));
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(
+            control_plane.cert_pem(),
+            control_plane.key_pem(),
+        ))
+        .client_ca_root(Certificate::from_pem(ca.cert_pem()));
+    let server = tokio::task::block_in_place(|| {
+        AdsServer::start_with("127.0.0.1:0".parse().unwrap(), state, Some(tls))
+    });
+    server.push("1", limits("gateway", 2, RateLimitUnit::Minute));
+
+    let bin = tempfile::tempdir().unwrap();
+    let ratelimit = bin.path().join("ratelimit");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_rlsd"), &ratelimit).unwrap();
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap()
+        .port();
+    let (cert, key, ca_cert) = (
+        own.cert.display().to_string(),
+        own.key.display().to_string(),
+        ca.cert.display().to_string(),
+    );
+    let mut command = command_at(&ratelimit);
+    command.env_clear().envs([
+        ("RUNTIME_ROOT", "/data"),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("LOG_LEVEL", "info"),
+        ("USE_STATSD", "false"),
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", &server.addr.to_string()),
+        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", &format!("127.0.0.1:{}", redis.port)),
+        ("REDIS_TLS", "true"),
+        ("REDIS_TLS_CLIENT_CERT", &cert),
+        ("REDIS_TLS_CLIENT_KEY", &key),
+        ("GRPC_SERVER_USE_TLS", "true"),
+        ("GRPC_SERVER_TLS_CERT", &cert),
+        ("GRPC_SERVER_TLS_KEY", &key),
+        ("GRPC_SERVER_TLS_CA_CERT", &ca_cert),
+        ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", &cert),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", &key),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", &ca_cert),
+        ("USE_PROMETHEUS", "true"),
+        ("PROMETHEUS_ADDR", &format!("127.0.0.1:{metrics_port}")),
+        ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
+        // The test's own: loopback, free ports, the Redis user and its private CA.
+        ("HOST", "127.0.0.1"),
+        ("PORT", "0"),
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", "0"),
+        ("REDIS_AUTH", "rlsd:s3cret"),
+        ("REDIS_TLS_CACERT", &ca_cert),
+    ]);
+    let mut rlsd = tokio::task::block_in_place(|| Rlsd::start(command));
+    tokio::task::block_in_place(|| {
+        server.wait_for("ACK of version 1", is_ack("1"));
+        let (request, _) = server.wait_for("the subscription", |_| true);
+        assert_eq!(request.node.expect("node").id, "envoy-ratelimit");
+    });
+
+    let channel = Channel::from_shared(format!("https://{}", rlsd.grpc))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(ca.cert_pem()))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connect");
+    let mut client = RateLimitServiceClient::new(channel);
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let answer = client
+            .should_rate_limit(request("xds", vec![descriptor(&[("gateway", "v")])]))
+            .await
+            .expect("answer")
+            .into_inner();
+        answers.push(answer.overall_code);
+    }
+    assert_eq!(answers, [OK, OK, OVER_LIMIT]);
+    assert_ne!(
+        redis.cli(&["DBSIZE"]).as_deref(),
+        Some("0"),
+        "no key in Redis"
+    );
+
+    let metrics_addr: SocketAddr = format!("127.0.0.1:{metrics_port}").parse().unwrap();
+    let (status, metrics) = http_get(metrics_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("ratelimit_service_rate_limit_over_limit"),
+        "{metrics}"
+    );
+    let (status, _) = http_get(rlsd.http, "/healthcheck").await;
+    assert_eq!(status, 200);
+    let (_, shown) = http_get(rlsd.http, "/rlconfig").await;
+    assert!(shown.contains("xds.gateway: 2 per minute"), "{shown}");
+    drop(client);
+
+    let log = rlsd.log();
+    assert!(log.contains("GRPC_SERVER_TLS_CA_CERT"), "{log}");
+    let status = tokio::task::block_in_place(|| rlsd.terminate(Duration::from_secs(10)));
+    assert!(status.success(), "{status:?}");
+    server.stop();
 }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod pki;
 pub mod process;
 pub mod redis;
 pub mod sentinel;
