@@ -3465,3 +3465,63 @@ async fn the_dashboard_and_probes_match_a_running_rlsd() {
         "the dashboard charts most metrics: {used:?}"
     );
 }
+
+/// The Envoy Gateway config swaps only the rate limit image, to one whose `/bin/ratelimit` is
+/// rlsd (Envoy Gateway runs that path with envoyproxy/ratelimit's variables), and names a
+/// Redis backend as Envoy Gateway requires before it deploys any rate limit service.
+#[test]
+fn envoy_gateway_config_runs_rlsd_as_its_rate_limit_service() {
+    let file = "deploy/envoy-gateway/envoy-gateway-config.yaml";
+    let docs = yaml_documents(file);
+    let map = docs
+        .iter()
+        .find(|d| kind(d) == ("v1", "ConfigMap"))
+        .unwrap_or_else(|| panic!("{file}: no ConfigMap"));
+    // The name and namespace Envoy Gateway's Helm chart reads its config from.
+    assert_eq!(name(map), "envoy-gateway-config");
+    assert_eq!(
+        map.at("metadata.namespace").and_then(Value::str),
+        Some("envoy-gateway-system")
+    );
+    let text = map
+        .at("data")
+        .and_then(|data| data.get("envoy-gateway.yaml"))
+        .and_then(Value::str)
+        .unwrap_or_else(|| panic!("{file}: no envoy-gateway.yaml"));
+    let config: Value = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{file}: {e}"));
+    assert_eq!(
+        kind(&config),
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyGateway")
+    );
+    assert_eq!(
+        config.at("provider.type").and_then(Value::str),
+        Some("Kubernetes")
+    );
+    let container = config
+        .at("provider.kubernetes.rateLimitDeployment.container")
+        .unwrap_or_else(|| panic!("{file}: no rateLimitDeployment.container"));
+    assert!(is_rlsd(container), "{file}: the image is not rlsd's");
+    // Envoy Gateway sets the command and env itself; a config here would be overridden or clash.
+    let keys: Vec<&str> = container.map().iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["image"], "{file}: only the image changes");
+    assert_eq!(
+        config.at("rateLimit.backend.type").and_then(Value::str),
+        Some("Redis")
+    );
+    let url = config
+        .at("rateLimit.backend.redis.url")
+        .and_then(Value::str)
+        .unwrap_or_default();
+    assert!(
+        url.rsplit_once(':')
+            .is_some_and(|(_, port)| port.parse::<u16>().is_ok()),
+        "{url}"
+    );
+    // The image has rlsd where Envoy Gateway runs it.
+    assert!(
+        dockerfile()
+            .iter()
+            .any(|(op, r)| op == "COPY" && r.ends_with(" /bin/ratelimit")),
+        "deploy/Dockerfile: no /bin/ratelimit"
+    );
+}
