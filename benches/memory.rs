@@ -70,6 +70,7 @@ fn check(algorithm: Algorithm, i: usize) -> Check {
         },
         hits: Hits::Take(1),
         shadow: false,
+        quota_mode: false,
     }
 }
 

@@ -7,7 +7,8 @@
 -- ARGV[1]   now in microseconds, or "" to read Redis TIME (the only clock replicas share;
 --           tests pass a fixed value)
 -- ARGV[2]   number of distinct limits M in this call, then 5 values per limit: algorithm
---           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, shadow (1 or 0)
+--           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, mode (0 enforced, 1 shadow,
+--           2 quota: the request is denied by its quota checks only when none of them allows)
 -- then      number of requests R, then per request: its number of checks n, then 2 values per
 --           check: the index of its limit (1..M) and its hits: "<n>" takes n, "p" peeks (decided
 --           as one hit, nothing taken), "r<n>" refunds n
@@ -441,7 +442,8 @@ for i = 1, limit_count do
   local a = 3 + 5 * (i - 1)
   local alg = ARGV[a]
   local c = { alg = alg, algorithm = ALGORITHMS[alg], l = ARGV[a + 1] + 0,
-              p = ARGV[a + 2] + 0, b = ARGV[a + 3] + 0, shadow = ARGV[a + 4] == '1' }
+              p = ARGV[a + 2] + 0, b = ARGV[a + 3] + 0, shadow = ARGV[a + 4] == '1',
+              quota = ARGV[a + 4] == '2' }
   if alg == 'tb' or alg == 'gcra' then
     c.capacity = c.b
   else
@@ -513,7 +515,7 @@ for r = 1, request_count do
   local count = count_of[r]
   next_arg = next_arg + 1
   local first_check = next_check
-  local allowed_all = true
+  local allowed_all, quotas, quota_passed = true, false, false
   for i = 1, count do
     local c, s = limit_of[next_check], slot_of_check[next_check]
     local hits = ARGV[next_arg + 1]
@@ -547,9 +549,17 @@ for r = 1, request_count do
     if new then
       pending_at[s], pending_in[s] = new, r
     end
-    if not allowed and not c.shadow then
+    if c.quota then
+      quotas = true
+      if allowed then
+        quota_passed = true
+      end
+    elseif not allowed and not c.shadow then
       allowed_all = false
     end
+  end
+  if quotas and not quota_passed then
+    allowed_all = false
   end
 
   -- Write each key once, with its final state (a key checked twice carries both checks' hits).

@@ -198,6 +198,9 @@ pub struct Limit {
     pub burst: Option<NonZeroU32>,
     /// Evaluated and reported, never denies.
     pub shadow: bool,
+    /// `quota_mode`: one of the request's quotas, which deny only when every quota-mode limit
+    /// of the request is over.
+    pub quota_mode: bool,
     /// Names of limits this one replaces when both match one request.
     pub replaces: Vec<String>,
     /// Tells apart limits of one descriptor that share algorithm and period, so each keeps its
@@ -215,6 +218,7 @@ impl Limit {
             algorithm: Algorithm::FixedWindow,
             burst: None,
             shadow: false,
+            quota_mode: false,
             replaces: Vec::new(),
             variant: 0,
         }
@@ -244,6 +248,9 @@ impl fmt::Display for Limit {
         }
         if self.shadow {
             f.write_str(" [shadow]")?;
+        }
+        if self.quota_mode {
+            f.write_str(" [quota]")?;
         }
         if !self.replaces.is_empty() {
             write!(f, " replaces {:?}", self.replaces)?;

@@ -20,7 +20,7 @@ use crate::pb;
 use crate::pb::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
 };
-use crate::store::{Outcome, Store, StoreError};
+use crate::store::{Outcome, Store, StoreError, quotas_pass};
 
 /// Which rate limit headers rlsd adds to responses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -503,10 +503,13 @@ struct Reported<'c> {
 fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::RateLimitResponse {
     let mut statuses = Vec::with_capacity(plan.decisions.len());
     let mut limited = Vec::with_capacity(plan.decisions.len());
+    // Over quota-mode limits deny only together; in a request they let through, they are
+    // reported as shadow limits are.
+    let quotas_pass = quotas_pass(&plan.checks, outcomes);
     for decision in &plan.decisions {
         match decision {
             Decision::Checks(range) => {
-                let (status, reported) = report(plan, outcomes, range.clone());
+                let (status, reported) = report(plan, outcomes, range.clone(), quotas_pass);
                 statuses.push(status);
                 limited.push(reported);
             }
@@ -519,6 +522,7 @@ fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
         statuses,
         response_headers_to_add: rate_limit_headers(&limited, over, headers),
+        dynamic_metadata: plan.dynamic_metadata(),
         ..Default::default()
     }
 }
@@ -529,9 +533,14 @@ fn report<'c>(
     plan: &Plan<'c>,
     outcomes: &[Outcome],
     range: std::ops::Range<usize>,
+    quotas_pass: bool,
 ) -> (DescriptorStatus, Reported<'c>) {
-    let enforced_denial = |i: usize| !outcomes[i].verdict.allowed && !plan.checks[i].shadow;
-    let reported = |i: usize| reported_verdict(&outcomes[i].verdict, plan.checks[i].shadow);
+    let not_denying = |i: usize| {
+        let check = &plan.checks[i];
+        check.shadow || (check.quota_mode && quotas_pass)
+    };
+    let enforced_denial = |i: usize| !outcomes[i].verdict.allowed && !not_denying(i);
+    let reported = |i: usize| reported_verdict(&outcomes[i].verdict, not_denying(i));
     let chosen = range
         .clone()
         .filter(|&i| enforced_denial(i))

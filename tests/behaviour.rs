@@ -33,6 +33,7 @@ fn check(
         },
         hits,
         shadow: false,
+        quota_mode: false,
     }
 }
 
@@ -382,7 +383,8 @@ fn random_shapes(seed: u64) -> Vec<(String, Params)> {
 
 /// One random request: 1 to 3 checks (a key may repeat), mostly single takes, some peeks,
 /// refunds, large takes and shadow checks.
-fn random_checks(rng: &mut Lcg, shapes: &[(String, Params)]) -> Vec<Check> {
+/// Quota mode is drawn from `quota` so the main sequence stays what it was before quota mode.
+fn random_checks(rng: &mut Lcg, quota: &mut Lcg, shapes: &[(String, Params)]) -> Vec<Check> {
     (0..1 + rng.next(3))
         .map(|_| {
             let (key, params) = &shapes[rng.next(shapes.len() as u64) as usize];
@@ -397,6 +399,7 @@ fn random_checks(rng: &mut Lcg, shapes: &[(String, Params)]) -> Vec<Check> {
                 params: *params,
                 hits,
                 shadow: rng.next(8) == 0,
+                quota_mode: quota.next(4) == 0,
             }
         })
         .collect()
@@ -411,13 +414,14 @@ async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
     let reference_clock = ManualClock::at(T0);
     let reference = MemoryStore::with_clock(10_000, reference_clock.clone());
     let mut rng = Lcg(seed);
+    let mut quota = Lcg(!seed);
     let mut now = T0 + 1_234_567;
     let shapes = random_shapes(seed);
     for step in 0..1500 {
         now += random_step(&mut rng);
         clock.set(now);
         reference_clock.set(now);
-        let checks = random_checks(&mut rng, &shapes);
+        let checks = random_checks(&mut rng, &mut quota, &shapes);
         let got = decide(store, &checks).await;
         let want = decide(&reference, &checks).await;
         if std::env::var_os("RLSD_TRACE").is_some() {
@@ -445,13 +449,14 @@ async fn random_batches_in_one_call_match_the_reference() {
         let clock = ManualClock::at(T0);
         let reference = MemoryStore::with_clock(10_000, clock.clone());
         let mut rng = Lcg(seed);
+        let mut quota = Lcg(!seed);
         let mut now = T0 + 7_654_321;
         let shapes = random_shapes(seed);
         for step in 0..250 {
             now += random_step(&mut rng);
             clock.set(now);
             let batch: Vec<Vec<Check>> = (0..1 + rng.next(24))
-                .map(|_| random_checks(&mut rng, &shapes))
+                .map(|_| random_checks(&mut rng, &mut quota, &shapes))
                 .collect();
             let requests: Vec<&[Check]> = batch.iter().map(Vec::as_slice).collect();
             let got: String = rlsd::store::redis::script_command(&requests, Some(&clock))

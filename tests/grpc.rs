@@ -523,3 +523,84 @@ async fn global_shadow_mode_counts_but_never_denies() {
     }
     server.stop().await;
 }
+
+/// envoyproxy/ratelimit's `quota_mode` and `metadata`: quota-mode limits deny only when every
+/// one of the request's is over; a deciding descriptor's metadata comes back as
+/// `dynamic_metadata`.
+const QUOTAS: &str = r#"
+domain: ai
+descriptors:
+  - key: model
+    value: small
+    quota_mode: true
+    metadata: {tier: small, cost: 1, tags: [cheap, fast]}
+    rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: model
+    value: large
+    quota_mode: true
+    metadata: {tier: large}
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 100}
+"#;
+
+#[tokio::test]
+async fn quota_mode_limits_deny_together_and_metadata_comes_back() {
+    use prost_types::value::Kind;
+    let server = TestServer::start(QUOTAS).await;
+    server.clock.set(T0);
+    let both = || {
+        request(
+            "ai",
+            vec![
+                descriptor(&[("model", "small")]),
+                descriptor(&[("model", "large")]),
+                descriptor(&[("user", "ann")]),
+            ],
+        )
+    };
+    let mut answers = Vec::new();
+    for _ in 0..5 {
+        let response = ask(&server, both()).await.expect("answer");
+        answers.push((
+            Code::try_from(response.overall_code).expect("code"),
+            response.statuses.iter().map(code).collect::<Vec<_>>(),
+            response.statuses[2].limit_remaining,
+        ));
+    }
+    use Code::{Ok as Pass, OverLimit as Over};
+    assert_eq!(
+        answers,
+        [
+            (Pass, vec![Pass, Pass, Pass], 99),
+            (Pass, vec![Pass, Pass, Pass], 98),
+            // small is spent, large still has quota: allowed, small reported as a shadow is.
+            (Pass, vec![Pass, Pass, Pass], 97),
+            // Both spent: denied, and nothing is counted (user keeps 97).
+            (Over, vec![Over, Over, Pass], 97),
+            (Over, vec![Over, Over, Pass], 97),
+        ]
+    );
+    let response = ask(&server, both()).await.expect("answer");
+    assert_eq!(response.statuses[0].limit_remaining, 0);
+    // A quota-mode limit on its own denies once it is over.
+    let alone = ask(
+        &server,
+        request("ai", vec![descriptor(&[("model", "small")])]),
+    )
+    .await
+    .expect("answer");
+    assert_eq!(alone.overall_code, Code::OverLimit as i32);
+
+    // Both deciding nodes' metadata, merged.
+    let metadata = response.dynamic_metadata.expect("dynamic_metadata");
+    let field = |name: &str| metadata.fields.get(name).and_then(|v| v.kind.clone());
+    assert_eq!(field("tier"), Some(Kind::StringValue("large".into())));
+    assert_eq!(field("cost"), Some(Kind::NumberValue(1.0)));
+    assert!(matches!(field("tags"), Some(Kind::ListValue(list)) if list.values.len() == 2));
+    // No metadata where no deciding node has any.
+    let plain = ask(&server, request("ai", vec![descriptor(&[("user", "bob")])]))
+        .await
+        .expect("answer");
+    assert_eq!(plain.dynamic_metadata, None);
+}

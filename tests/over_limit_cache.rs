@@ -53,6 +53,7 @@ fn check(key: &str, algorithm: Algorithm, hits: Hits) -> Check {
         },
         hits,
         shadow: false,
+        quota_mode: false,
     }
 }
 

@@ -21,6 +21,7 @@ fn check() -> Check {
         },
         hits: Hits::Take(1),
         shadow: false,
+        quota_mode: false,
     }
 }
 

@@ -485,6 +485,7 @@ fn check(key: &str) -> Check {
         },
         hits: Hits::Take(1),
         shadow: false,
+        quota_mode: false,
     }
 }
 

@@ -370,6 +370,8 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "detailed_metric",
     "value_to_metric",
     "share_threshold",
+    "quota_mode",
+    "metadata",
     "descriptors",
 ];
 /// Keys allowed in a rate limit.
@@ -791,7 +793,14 @@ impl Walker<'_> {
             .get("shadow_mode")
             .and_then(|(_, flag)| self.boolean("shadow_mode", flag))
             .unwrap_or(false);
-        node.policy = self.policy(&fields, shadow);
+        let quota_mode = fields
+            .get("quota_mode")
+            .and_then(|(_, flag)| self.boolean("quota_mode", flag))
+            .unwrap_or(false);
+        node.policy = self.policy(&fields, shadow, quota_mode);
+        if let Some((_, metadata)) = fields.get("metadata") {
+            node.metadata = self.metadata(metadata);
+        }
         if let Some((_, children)) = fields.get("descriptors") {
             let path = node.path.clone();
             let layer = node.layer.clone();
@@ -847,7 +856,62 @@ impl Walker<'_> {
     }
 
     /// A descriptor's `rate_limit` / `rate_limits`; `None` if it has none or they are broken.
-    fn policy(&mut self, fields: &Fields<'_>, descriptor_shadow: bool) -> Option<Policy> {
+    /// A `metadata:` mapping as a protobuf Struct; `None` after reporting anything else.
+    fn metadata(&mut self, node: &YNode) -> Option<prost_types::Struct> {
+        if !matches!(node.value, Value::Map(_)) {
+            let found = self.describe(node);
+            self.error(
+                node.pos,
+                format!("metadata must be a mapping, found {found}"),
+            );
+            return None;
+        }
+        match self.struct_value(node)?.kind {
+            Some(prost_types::value::Kind::StructValue(fields)) => Some(fields),
+            _ => None,
+        }
+    }
+
+    fn struct_value(&mut self, node: &YNode) -> Option<prost_types::Value> {
+        use prost_types::value::Kind;
+        let kind = match &node.value {
+            Value::Null => Kind::NullValue(0),
+            Value::Bool(value) => Kind::BoolValue(*value),
+            // Struct numbers are doubles, as in JSON.
+            Value::Int(value) => Kind::NumberValue(*value as f64),
+            Value::Float(value) => Kind::NumberValue(*value),
+            Value::Str(value) => Kind::StringValue(value.clone()),
+            Value::Seq(items) => Kind::ListValue(prost_types::ListValue {
+                values: items
+                    .iter()
+                    .map(|item| self.struct_value(item))
+                    .collect::<Option<_>>()?,
+            }),
+            Value::Map(entries) => {
+                let mut fields = std::collections::BTreeMap::new();
+                for (key, value) in entries {
+                    let Value::Str(name) = &key.value else {
+                        let found = self.describe(key);
+                        self.error(
+                            key.pos,
+                            format!("metadata keys must be strings, found {found}"),
+                        );
+                        return None;
+                    };
+                    fields.insert(name.clone(), self.struct_value(value)?);
+                }
+                Kind::StructValue(prost_types::Struct { fields })
+            }
+        };
+        Some(prost_types::Value { kind: Some(kind) })
+    }
+
+    fn policy(
+        &mut self,
+        fields: &Fields<'_>,
+        descriptor_shadow: bool,
+        quota_mode: bool,
+    ) -> Option<Policy> {
         let single = fields.get("rate_limit");
         let list = fields.get("rate_limits");
         let mut broken = false;
@@ -941,6 +1005,7 @@ impl Walker<'_> {
         let mut limits: Vec<Limit> = Vec::with_capacity(parsed.len());
         for mut limit in parsed.into_iter().filter_map(|parsed| parsed.limit) {
             limit.shadow |= descriptor_shadow;
+            limit.quota_mode = quota_mode;
             // Limits of one descriptor sharing algorithm and period (a shadow trial of a
             // stricter limit, say) each need their own counter.
             limit.variant = limits
@@ -1074,6 +1139,7 @@ impl Walker<'_> {
                 burst,
                 shadow,
                 replaces: replaces.iter().map(|(name, _)| name.clone()).collect(),
+                quota_mode: false,
                 variant: 0,
             }),
             name,

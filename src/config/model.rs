@@ -130,6 +130,9 @@ pub struct Node {
     pub shared_value: Option<String>,
     /// The key namespace (`layer:`, inherited from the parent); `None` is the default layer.
     pub layer: Option<String>,
+    /// `metadata:`, returned in the response's `dynamic_metadata` when this node's policy
+    /// decides a descriptor.
+    pub metadata: Option<prost_types::Struct>,
     /// Nested descriptors.
     pub children: Level,
 }

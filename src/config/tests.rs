@@ -239,6 +239,7 @@ fn rlsd_extensions_load() {
                 burst: NonZeroU32::new(20),
                 shadow: true,
                 replaces: vec![],
+                quota_mode: false,
                 variant: 0,
             },
             Limit {
@@ -249,6 +250,7 @@ fn rlsd_extensions_load() {
                 burst: None,
                 shadow: true,
                 replaces: vec![],
+                quota_mode: false,
                 variant: 0,
             },
         ]
@@ -298,6 +300,76 @@ fn per_limit_shadow_is_ored_with_the_descriptor() {
         .map(|l| l.shadow)
         .collect();
     assert_eq!(shadows, [true, false]);
+}
+
+#[test]
+fn quota_mode_and_metadata_load_as_envoyproxy_ratelimit_writes_them() {
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            quota_mode: true
+            metadata:
+              owner: team-a
+              nested: {weight: 2.5, enabled: true, none: null}
+            rate_limits:
+              - {unit: second, requests_per_unit: 1}
+              - {unit: hour, requests_per_unit: 9}
+          - key: b
+            rate_limit: {unit: second, requests_per_unit: 1}
+        ",
+    );
+    let a = default(&domain.root, "a");
+    assert!(limits(a).iter().all(|limit| limit.quota_mode));
+    assert!(!only_limit(default(&domain.root, "b")).quota_mode);
+    let metadata = a.metadata.as_ref().expect("metadata");
+    assert_eq!(
+        metadata.fields["owner"].kind,
+        Some(prost_types::value::Kind::StringValue("team-a".into()))
+    );
+    let Some(prost_types::value::Kind::StructValue(nested)) = &metadata.fields["nested"].kind
+    else {
+        panic!("{metadata:?}");
+    };
+    assert_eq!(nested.fields.len(), 3);
+    assert_eq!(default(&domain.root, "b").metadata, None);
+}
+
+#[test]
+fn bad_quota_mode_or_metadata_is_an_error_at_its_line() {
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            quota_mode: sometimes
+            rate_limit: {unit: second, requests_per_unit: 1}
+        ",
+        4,
+        "quota_mode must be true or false",
+    );
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            metadata: [not, a, mapping]
+        ",
+        4,
+        "metadata must be a mapping",
+    );
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            metadata:
+              1: one
+        ",
+        5,
+        "metadata keys must be strings",
+    );
 }
 
 #[test]

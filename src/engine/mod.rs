@@ -99,6 +99,25 @@ pub struct Plan<'c> {
     pub descriptor_of: Vec<usize>,
     /// One decision per request descriptor, in request order.
     pub decisions: Vec<Decision>,
+    /// The `metadata:` of each descriptor's node that decides it, in request order.
+    pub metadata: Vec<&'c prost_types::Struct>,
+}
+
+impl Plan<'_> {
+    /// The response's `dynamic_metadata`: the deciding nodes' `metadata:` merged in request
+    /// order (a later descriptor's field wins); `None` when none has any.
+    pub fn dynamic_metadata(&self) -> Option<prost_types::Struct> {
+        match self.metadata.as_slice() {
+            [] => None,
+            [only] => Some((*only).clone()),
+            all => Some(prost_types::Struct {
+                fields: all
+                    .iter()
+                    .flat_map(|metadata| metadata.fields.clone())
+                    .collect(),
+            }),
+        }
+    }
 }
 
 /// Matches every descriptor of `request` against `config` and lists the checks to run.
@@ -109,6 +128,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
             limits: Vec::new(),
             descriptor_of: Vec::new(),
             decisions: vec![Decision::NoLimit; request.descriptors.len()],
+            metadata: Vec::new(),
         };
     };
 
@@ -116,16 +136,22 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
     // gains its plan). Borrowed from the config: nothing per descriptor is allocated here,
     // unless metrics carry request values (`detailed_metric`, `value_to_metric`) or a
     // `share_threshold` wildcard rewrites the entries.
+    let mut metadata_of: Vec<Option<&'c prost_types::Struct>> = Vec::new();
     let matched: Vec<(Entries<'_>, Matched<'c>)> = request
         .descriptors
         .iter()
-        .map(|descriptor| {
+        .enumerate()
+        .map(|(index, descriptor)| {
             let entries = with_plan(domain, &descriptor.entries);
             if let Some(o) = descriptor.limit_override {
                 let limit = Limit::fixed(o.requests_per_unit, o.unit);
                 return (entries, Matched::Override(limit));
             }
             let located = locate(domain, &descriptor.entries, entries);
+            if let Some(metadata) = located.node.and_then(|node| node.metadata.as_ref()) {
+                metadata_of.resize(index, None);
+                metadata_of.push(Some(metadata));
+            }
             let matched = match (located.node.map(|node| &node.policy), located.path) {
                 (Some(Some(Policy::Unlimited { name, replaces })), _) => {
                     Matched::Unlimited(name.as_deref(), replaces)
@@ -167,6 +193,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         limits: Vec::with_capacity(limit_count),
         descriptor_of: Vec::with_capacity(limit_count),
         decisions: Vec::with_capacity(request.descriptors.len()),
+        metadata: Vec::new(),
     };
     for (index, (descriptor, (entries, matched))) in
         request.descriptors.iter().zip(matched).enumerate()
@@ -186,6 +213,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                 params: Params::of(&planned.limit),
                 hits,
                 shadow: planned.limit.shadow,
+                quota_mode: planned.limit.quota_mode,
             });
             plan.limits.push(planned);
             plan.descriptor_of.push(index);
@@ -193,11 +221,14 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         match matched {
             Matched::Nothing => {}
             Matched::Unlimited(name, _) => {
-                plan.decisions.push(if is_replaced(name) {
-                    Decision::NoLimit
+                if is_replaced(name) {
+                    plan.decisions.push(Decision::NoLimit);
                 } else {
-                    Decision::Unlimited
-                });
+                    if let Some(Some(metadata)) = metadata_of.get(index) {
+                        plan.metadata.push(metadata);
+                    }
+                    plan.decisions.push(Decision::Unlimited);
+                }
                 continue;
             }
             Matched::Override(limit) => add(PlannedLimit {
@@ -215,11 +246,17 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                 }
             }
         }
-        plan.decisions.push(if plan.checks.len() == start {
+        let decision = if plan.checks.len() == start {
             Decision::NoLimit
         } else {
             Decision::Checks(start..plan.checks.len())
-        });
+        };
+        if decision != Decision::NoLimit
+            && let Some(Some(metadata)) = metadata_of.get(index)
+        {
+            plan.metadata.push(metadata);
+        }
+        plan.decisions.push(decision);
     }
     plan
 }

@@ -180,7 +180,10 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
             .iter()
             .zip(&wants)
             .map(|(check, want)| match want {
-                Some(want) if !check.shadow => self.known_denied(check, *want, now),
+                // A quota check's denial alone does not deny its request.
+                Some(want) if !check.shadow && !check.quota_mode => {
+                    self.known_denied(check, *want, now)
+                }
                 _ => None,
             })
             .collect();

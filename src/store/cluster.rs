@@ -10,9 +10,10 @@
 //! (under-admission). A refund is applied to the state it finds, so it is exact unless a window
 //! edge passes in that round trip (then the refunded hits land in the new window: at most that
 //! one request's hits are over-admitted) or a concurrent request's newer log entries are the
-//! ones removed (same count, so the window holds the same number). If a refund itself fails
-//! those hits stay counted until their window passes: never more than one request's hits, and
-//! logged. A denied cross-slot request takes two round trips (three when it gives hits back),
+//! ones removed (same count, so the window holds the same number); a token bucket's refilled
+//! tokens are recomputed in floating point, which can move its reported reset by 1 ms. If a
+//! refund itself fails those hits stay counted until their window passes: never more than one
+//! request's hits, and logged. A denied cross-slot request takes two round trips (three when it gives hits back),
 //! each bounded by the command timeout.
 //!
 //! # Keys
@@ -218,6 +219,7 @@ fn dry_run_guard(group: &[Check]) -> Option<Check> {
         },
         hits: Hits::Take(1),
         shadow: false,
+        quota_mode: false,
     })
 }
 
@@ -255,17 +257,41 @@ impl Store for ClusterStore {
 
     async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
         let groups = group_by_slot(checks);
+        // Quota checks in several groups are decided together, here: each group takes them as
+        // shadow checks.
+        let quota_groups = groups
+            .iter()
+            .filter(|group| {
+                group
+                    .iter()
+                    .any(|(_, check)| check.quota_mode && !check.shadow)
+            })
+            .count();
         let group_checks: Vec<Vec<Check>> = groups
             .iter()
-            .map(|group| group.iter().map(|(_, check)| check.clone()).collect())
+            .map(|group| {
+                group
+                    .iter()
+                    .map(|(_, check)| {
+                        let mut check = check.clone();
+                        if quota_groups > 1 && check.quota_mode {
+                            check.shadow = true;
+                            check.quota_mode = false;
+                        }
+                        check
+                    })
+                    .collect()
+            })
             .collect();
         // Refunds cannot be taken back exactly, so a request that gives hits back across slots
         // is first evaluated without committing; only if it passes is it sent for real.
-        let refunds_across_slots = group_checks.len() > 1
-            && checks
-                .iter()
-                .any(|check| matches!(check.hits, Hits::Refund(_)));
-        if refunds_across_slots {
+        // So is one whose quota checks span slots: only all of them together decide it.
+        let dry_run_first = group_checks.len() > 1
+            && (quota_groups > 1
+                || checks
+                    .iter()
+                    .any(|check| matches!(check.hits, Hits::Refund(_))));
+        if dry_run_first {
             let dry = self.dry_run(&group_checks).await;
             let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
             for (members, answer) in groups.iter().zip(dry) {

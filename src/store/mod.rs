@@ -25,6 +25,9 @@ pub struct Check {
     pub hits: Hits,
     /// Shadow mode: evaluated and reported, never denies.
     pub shadow: bool,
+    /// Quota mode: denies only with every other quota-mode check of the request (see
+    /// [`request_allowed`]).
+    pub quota_mode: bool,
 }
 
 /// The store's answer for one check.
@@ -98,10 +101,23 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
 }
 
-/// Whether a request whose checks produced `outcomes` is allowed: every enforced check passed.
+/// Whether a request whose checks produced `outcomes` is allowed: every enforced check passed,
+/// and [`quotas_pass`].
 pub fn request_allowed(checks: &[Check], outcomes: &[Outcome]) -> bool {
     checks
         .iter()
         .zip(outcomes)
-        .all(|(check, outcome)| check.shadow || outcome.verdict.allowed)
+        .all(|(check, outcome)| check.shadow || check.quota_mode || outcome.verdict.allowed)
+        && quotas_pass(checks, outcomes)
+}
+
+/// Whether the request's quota-mode checks (shadow ones aside) let it through: it has none, or
+/// one of them passed.
+pub fn quotas_pass(checks: &[Check], outcomes: &[Outcome]) -> bool {
+    let mut quotas = checks
+        .iter()
+        .zip(outcomes)
+        .filter(|(check, _)| check.quota_mode && !check.shadow)
+        .peekable();
+    quotas.peek().is_none() || quotas.any(|(_, outcome)| outcome.verdict.allowed)
 }

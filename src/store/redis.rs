@@ -545,23 +545,29 @@ impl<'s> ScriptCall<'s> {
         };
         // Each distinct limit goes once; checks name theirs by index. A batch holds few
         // distinct limits (every request of a route shares them), so a scan finds them.
-        fn limit_of(check: &Check) -> (&Params, bool) {
-            (&check.params, check.shadow)
+        // The script's mode argument: 0 enforced, 1 shadow, 2 quota mode.
+        fn limit_of(check: &Check) -> (&Params, u8) {
+            let mode = if check.shadow {
+                1
+            } else {
+                2 * u8::from(check.quota_mode)
+            };
+            (&check.params, mode)
         }
-        let mut limits: Vec<(&Params, bool)> = Vec::new();
+        let mut limits: Vec<(&Params, u8)> = Vec::new();
         for check in requests.iter().flat_map(|checks| checks.iter()) {
             if !limits.contains(&limit_of(check)) {
                 limits.push(limit_of(check));
             }
         }
         command.arg(limits.len());
-        for (params, shadow) in &limits {
+        for (params, mode) in &limits {
             command
                 .arg(params.algorithm.key_tag())
                 .arg(params.limit)
                 .arg(params.period_us)
                 .arg(params.burst)
-                .arg(u8::from(*shadow));
+                .arg(*mode);
         }
         command.arg(requests.len());
         for checks in requests {

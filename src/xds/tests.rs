@@ -142,3 +142,41 @@ fn pairs_take_either_separator() {
     assert!(parse_pairs(":v").is_err());
     assert!(parse_pairs("").unwrap().is_empty());
 }
+
+#[test]
+fn quota_mode_and_metadata_come_over_xds_as_in_files() {
+    use prost_types::value::Kind;
+    let mut quota = descriptor("model", "small", RateLimitUnit::Hour, 2);
+    quota.quota_mode = true;
+    quota.metadata = Some(prost_types::Struct {
+        fields: [
+            (
+                "tier".to_owned(),
+                prost_types::Value {
+                    kind: Some(Kind::StringValue("small \"s\"".to_owned())),
+                },
+            ),
+            (
+                "cost".to_owned(),
+                prost_types::Value {
+                    kind: Some(Kind::NumberValue(1.5)),
+                },
+            ),
+        ]
+        .into(),
+    });
+    let config = load_response(&response("1", &[resource("ai", "ai", vec![quota])])).unwrap();
+    let described = crate::http::describe(&config);
+    assert!(
+        described.contains("ai.model_small: 2 per hour (fixed_window) [quota]"),
+        "{described}"
+    );
+    let node = &config.domains["ai"].root.keys["model"].exact["small"];
+    let metadata = node.metadata.as_ref().expect("metadata");
+    assert_eq!(metadata.fields.len(), 2);
+    assert_eq!(
+        metadata.fields["tier"].kind,
+        Some(Kind::StringValue("small \"s\"".to_owned()))
+    );
+    assert_eq!(metadata.fields["cost"].kind, Some(Kind::NumberValue(1.5)));
+}

@@ -18,6 +18,7 @@ fn check(key: &str, algorithm: Algorithm, limit: u64, hits: Hits) -> Check {
         },
         hits,
         shadow: false,
+        quota_mode: false,
     }
 }
 
