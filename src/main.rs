@@ -183,8 +183,8 @@ struct ServeArgs {
     /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
     #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
     redis_mode: RedisMode,
-    /// Denied keys remembered in process, so a key known to stay over its limit until T is
-    /// denied until T without a Redis round trip (0: off).
+    /// Denials remembered in process: a request whose every limit is a denial known to hold
+    /// until T is answered until T without a Redis round trip, exactly as Redis would (0: off).
     #[arg(long, env = "RLSD_OVER_LIMIT_CACHE", default_value_t = 100_000)]
     over_limit_cache: usize,
     /// The master name Sentinel monitors (`--redis-mode sentinel`).

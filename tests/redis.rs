@@ -131,6 +131,80 @@ async fn three_replicas_admit_exactly_the_limit_for_every_algorithm() {
     }
 }
 
+/// Two limits of different periods, as in the over-limit cache's bug report.
+const TWO_PERIODS: &str = r#"
+domain: two
+descriptors:
+  - key: key2
+    rate_limit: {unit: minute, requests_per_unit: 20}
+  - key: key3
+    rate_limit: {unit: hour, requests_per_unit: 10}
+"#;
+
+/// Every response to `requests`, from rlsd serving [`TWO_PERIODS`] on `store`.
+async fn responses<S: rlsd::store::Store>(
+    store: Arc<S>,
+    requests: &[Vec<rlsd::pb::RateLimitDescriptor>],
+) -> Vec<rlsd::pb::RateLimitResponse> {
+    let settings = ServiceSettings {
+        keys: KeySettings::default(),
+        headers: HeaderStyle::XRatelimit,
+        failure_mode: FailureMode::Error,
+        shadow_mode: false,
+        limits: Default::default(),
+    };
+    let (grpc, _http, stop, task) = spawn_server(TWO_PERIODS, store, settings).await;
+    let mut client = RateLimitServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("connect");
+    let mut answers = Vec::new();
+    for descriptors in requests {
+        answers.push(
+            client
+                .should_rate_limit(request("two", descriptors.clone()))
+                .await
+                .expect("answer")
+                .into_inner(),
+        );
+    }
+    let _ = stop.send(());
+    task.await.expect("server task");
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_over_limit_cache_every_response_is_what_redis_alone_answers() {
+    let redis = RedisServer::start();
+    let clock = rlsd::clock::ManualClock::at(common::T0 + 17_000_000);
+    let store = || {
+        let mut settings = RedisSettings::new(redis.url());
+        settings.fixed_clock = Some(Arc::new(clock.clone()));
+        settings.command_timeout = Duration::from_secs(2);
+        settings.lanes = common::LANES;
+        RedisStore::connect(settings)
+    };
+    let both = vec![descriptor(&[("key2", "a")]), descriptor(&[("key3", "a")])];
+    let mut requests = vec![both; 13];
+    requests.push(vec![descriptor(&[("key3", "a")])]);
+    let alone = responses(Arc::new(store().await.expect("connect")), &requests).await;
+    redis.cli(&["FLUSHALL"]).expect("flush");
+    let cache = Arc::new(rlsd::store::OverLimitCache::with_clock(
+        store().await.expect("connect"),
+        100,
+        clock.clone(),
+    ));
+    let cached = responses(Arc::clone(&cache), &requests).await;
+    for (i, (alone, cached)) in alone.iter().zip(&cached).enumerate() {
+        assert_eq!(alone, cached, "call {}", i + 1);
+    }
+    // Calls 11 to 13 are denied by key3; key2 has taken nothing since call 10.
+    let key2 = &cached[12].statuses[0];
+    assert_eq!(cached[12].overall_code, Code::OverLimit as i32);
+    assert_eq!((key2.code, key2.limit_remaining), (Code::Ok as i32, 10));
+    // Only the last request, key3 alone, was a known denial through and through.
+    assert_eq!(cache.hits(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_mid_run_fails_no_request() {
     let redis = RedisServer::start();

@@ -1,23 +1,27 @@
-//! The local over-limit cache: a key known to stay over its limit until T is denied in process
-//! until T, without a round trip to Redis.
+//! The local over-limit cache: a request whose every check is a denial known to hold until T is
+//! answered in process until T, without a round trip to Redis, exactly as the store would answer.
 //!
-//! Why it is safe: a denied check's `reset` is the earliest time the same request could pass if
-//! no other traffic came, and other traffic only ever takes (it never gives back), so until then
-//! the answer cannot change, for every algorithm. The entry remembers the hits that were
-//! denied and the limit's exact parameters: a request asking for no more is denied, one asking
-//! for fewer, or for a limit whose numbers changed (a reload), goes to the store. Two things can
-//! still free quota early and are handled: a refund (`is_negative_hits`) through this rlsd drops
-//! the entry; refunds sent through *other* replicas are not seen here, so their quota comes back
-//! for this replica only at T (never over-admitting). T is measured from before the call left,
-//! on this process's clock, so the entry never outlives the store's own reset.
+//! Why the answer is the store's: only denials with nothing left (`remaining: 0`) are remembered.
+//! From there other traffic only ever takes (never gives back), so until the denial's reset the
+//! check stays denied with nothing left, and its reset counts down to the same instant. A request
+//! made only of such checks changes nothing in the store either (denied checks commit nothing), so
+//! answering it locally is exact; a request with any other check goes to the store, which decides
+//! all of its checks together. A fixed window's reset is its window's end whatever the hits; the
+//! other algorithms' reset depends on how many hits are asked for, so for them only single hits
+//! (and peeks) are remembered and answered. The entry also remembers the limit's exact parameters:
+//! a limit whose numbers changed (a reload) goes to the store. A refund (`is_negative_hits`)
+//! through this rlsd drops the entry; refunds sent through *other* replicas are not seen here, so
+//! their quota comes back for this replica only at T (never over-admitting). T is measured from
+//! before the call left, on this process's clock, so the entry never outlives the store's reset.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use crate::algorithm::{Hits, Params, Verdict};
+use crate::algorithm::{Hits, Params, Verdict, round_up_to_ms};
 use crate::clock::{Clock, SystemClock};
+use crate::limit::Algorithm;
 use crate::metrics::Metrics;
 
 use super::{Check, Outcome, Store, StoreError};
@@ -25,18 +29,28 @@ use super::{Check, Outcome, Store, StoreError};
 /// Shards of the cache map.
 const SHARDS: usize = 64;
 
+/// The store reports resets rounded up to a whole millisecond, so the true instant lies up to this
+/// much before the rounded one.
+const RESET_ROUNDING_US: u64 = 1_000;
+
 type Hasher = foldhash::fast::RandomState;
 
 #[derive(Clone, Copy)]
 struct Known {
     params: Params,
-    /// The fewest hits known to be denied.
-    hits: u64,
-    /// Until when (µs on the cache's clock).
-    until: u64,
+    /// The denial's reset as the store reported it (µs on the cache's clock): the store keeps
+    /// denying until at least `reset_at - RESET_ROUNDING_US`.
+    reset_at: u64,
 }
 
-/// A [`Store`] wrapper that answers known denials locally.
+impl Known {
+    /// Whether the denial certainly still holds at `now`.
+    fn holds(&self, now: u64) -> bool {
+        now < self.reset_at.saturating_sub(RESET_ROUNDING_US)
+    }
+}
+
+/// A [`Store`] wrapper that answers requests made only of known denials locally.
 pub struct OverLimitCache<S, C: Clock = SystemClock> {
     inner: S,
     clock: C,
@@ -46,6 +60,9 @@ pub struct OverLimitCache<S, C: Clock = SystemClock> {
     capacity_per_shard: usize,
     hits: AtomicU64,
     reported_hits: AtomicU64,
+    /// Bumped after every call that refunds: a denial learned by a call that overlapped a refund
+    /// may already be stale, so it is not remembered.
+    refunds: AtomicU64,
 }
 
 impl<S: Store> OverLimitCache<S, SystemClock> {
@@ -67,6 +84,7 @@ impl<S: Store, C: Clock> OverLimitCache<S, C> {
             capacity_per_shard: capacity.div_ceil(SHARDS).max(1),
             hits: AtomicU64::new(0),
             reported_hits: AtomicU64::new(0),
+            refunds: AtomicU64::new(0),
         }
     }
 
@@ -97,46 +115,48 @@ impl<S: Store, C: Clock> OverLimitCache<S, C> {
         &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
-    /// The time a check asking for `want` hits is known to stay denied until, if it is.
-    fn known_denied(&self, check: &Check, want: u64, now: u64) -> Option<u64> {
+    /// The store's answer for `check` at `now`, if it is a denial known to hold.
+    fn known_denial(&self, check: &Check, now: u64) -> Option<Verdict> {
         let shard = self
             .shard(&check.key)
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let known = shard.get(&check.key)?;
-        (known.params == check.params && want >= known.hits && now < known.until)
-            .then_some(known.until)
+        (known.params == check.params && known.holds(now)).then(|| Verdict {
+            allowed: false,
+            remaining: 0,
+            reset_us: round_up_to_ms(known.reset_at - now),
+        })
     }
 
-    fn remember(&self, check: &Check, want: u64, verdict: &Verdict, start: u64) {
-        // The store rounds reset up to a whole millisecond: take that back off, so the entry
-        // ends no later than the store's own answer would change.
-        let until = start.saturating_add(verdict.reset_us.saturating_sub(1_000));
+    fn remember(&self, check: &Check, verdict: &Verdict, start: u64, refunds_before: u64) {
+        let known = Known {
+            params: check.params,
+            reset_at: start.saturating_add(verdict.reset_us),
+        };
+        if !known.holds(start) {
+            return;
+        }
         let mut shard = self
             .shard(&check.key)
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        // Under the shard's lock, which a refund's `forget` takes after its bump.
+        if self.refunds.load(Ordering::Acquire) != refunds_before {
+            return;
+        }
         if shard.len() >= self.capacity_per_shard && !shard.contains_key(&check.key) {
-            shard.retain(|_, known| known.until > start);
+            shard.retain(|_, known| known.holds(start));
             if shard.len() >= self.capacity_per_shard {
                 // Full of live denials: this one is simply not cached.
                 return;
             }
         }
-        let entry = shard.entry(check.key.clone()).or_insert(Known {
-            params: check.params,
-            hits: want,
-            until,
-        });
-        if entry.params != check.params || entry.until <= start {
-            *entry = Known {
-                params: check.params,
-                hits: want,
-                until,
-            };
+        let entry = shard.entry(check.key.clone()).or_insert(known);
+        if entry.params != known.params || !entry.holds(start) {
+            *entry = known;
         } else {
-            entry.hits = entry.hits.min(want);
-            entry.until = entry.until.min(until);
+            entry.reset_at = entry.reset_at.min(known.reset_at);
         }
     }
 
@@ -175,74 +195,64 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
             return self.inner.decide(checks).await;
         }
         let now = self.clock.now_us();
-        let wants = wants(checks);
-        let denied: Vec<Option<u64>> = checks
-            .iter()
-            .zip(&wants)
-            .map(|(check, want)| match want {
-                // A quota check's denial alone does not deny its request.
-                Some(want) if !check.shadow && !check.quota_mode => {
-                    self.known_denied(check, *want, now)
-                }
-                _ => None,
-            })
-            .collect();
-        if denied.iter().any(Option::is_some) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            // Denied without asking the store; the other limits were not looked at, so they
-            // report nothing left rather than a guess.
-            return Ok(denied
+        let cacheable = cacheable(checks);
+        if cacheable.iter().all(|&yes| yes) {
+            let known: Option<Vec<Outcome>> = checks
                 .iter()
-                .map(|until| Outcome {
-                    verdict: match until {
-                        Some(until) => Verdict {
-                            allowed: false,
-                            remaining: 0,
-                            reset_us: crate::algorithm::round_up_to_ms(until - now),
-                        },
-                        None => Verdict {
-                            allowed: true,
-                            remaining: 0,
-                            reset_us: 0,
-                        },
-                    },
+                .map(|check| {
+                    self.known_denial(check, now)
+                        .map(|verdict| Outcome { verdict })
                 })
-                .collect());
-        }
-        for check in checks {
-            if matches!(check.hits, Hits::Refund(_)) {
-                self.forget(&check.key);
+                .collect();
+            if let Some(outcomes) = known {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(outcomes);
             }
         }
+        let refunds_before = self.refunds.load(Ordering::Acquire);
         let outcomes = self.inner.decide(checks).await?;
-        for check in checks {
-            // Again after the call: a denial cached by a request that raced this refund is stale.
-            if matches!(check.hits, Hits::Refund(_)) {
-                self.forget(&check.key);
+        if checks
+            .iter()
+            .any(|check| matches!(check.hits, Hits::Refund(_)))
+        {
+            // After the call, so a denial learned before the refund landed is dropped, and one
+            // being learned concurrently sees the bump and is not stored.
+            self.refunds.fetch_add(1, Ordering::AcqRel);
+            for check in checks {
+                if matches!(check.hits, Hits::Refund(_)) {
+                    self.forget(&check.key);
+                }
             }
+            return Ok(outcomes);
         }
-        for ((check, outcome), want) in checks.iter().zip(&outcomes).zip(&wants) {
-            if let (false, false, Some(want)) = (outcome.verdict.allowed, check.shadow, want) {
-                self.remember(check, *want, &outcome.verdict, now);
+        for ((check, outcome), cacheable) in checks.iter().zip(&outcomes).zip(cacheable) {
+            let verdict = &outcome.verdict;
+            if cacheable && !verdict.allowed && verdict.remaining == 0 {
+                self.remember(check, verdict, now, refunds_before);
             }
         }
         Ok(outcomes)
     }
 }
 
-/// For each check, the hits it asks for; `None` where the cache must stay out: a key the
-/// request checks twice (its answer depends on the other check's outcome) or refunds.
-fn wants(checks: &[Check]) -> Vec<Option<u64>> {
+/// For each check, whether a denial of it with nothing left stays the same answer until its reset
+/// (see the module comment); never for a key the request checks twice (its answer depends on the
+/// other check), refunds, or limits whose denial is not a countdown (a zero limit, more hits than
+/// the capacity: their reset is always one period).
+fn cacheable(checks: &[Check]) -> Vec<bool> {
     checks
         .iter()
         .map(|check| {
-            if checks.iter().filter(|other| other.key == check.key).count() > 1 {
-                return None;
+            let params = &check.params;
+            if params.limit == 0 || checks.iter().filter(|other| other.key == check.key).count() > 1
+            {
+                return false;
             }
             match check.hits {
-                Hits::Take(n) => Some(n),
-                Hits::Peek => Some(1),
-                Hits::Refund(_) => None,
+                Hits::Peek => true,
+                Hits::Take(n) if n > params.capacity() => false,
+                Hits::Take(n) => n == 1 || params.algorithm == Algorithm::FixedWindow,
+                Hits::Refund(_) => false,
             }
         })
         .collect()
