@@ -29,5 +29,6 @@ pub mod server;
 pub mod service;
 pub mod simulate;
 pub mod store;
+pub mod telemetry;
 pub mod tls;
 pub mod xds;

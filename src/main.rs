@@ -22,6 +22,7 @@ use rlsd::store::{
     ClientIdentity, ClusterSettings, ClusterStore, MemoryStore, OverLimitCache, RedisSettings,
     RedisStore, Store,
 };
+use rlsd::telemetry::{OtlpProtocol, Telemetry, TracingSettings};
 use rlsd::tls::{TlsFiles, TlsSettings};
 use rlsd::xds::{XdsClient, XdsSettings, XdsTls};
 
@@ -158,6 +159,29 @@ struct ServeArgs {
         requires = "metrics_addr"
     )]
     metrics_path: String,
+    /// Trace every ShouldRateLimit call with OpenTelemetry, exported over OTLP: a server span,
+    /// child of the `traceparent` or B3 context Envoy sends, with the store call as its child.
+    #[arg(long, env = "RLSD_TRACING")]
+    tracing: bool,
+    /// `service.name` of the exported spans.
+    #[arg(long, env = "RLSD_TRACING_SERVICE_NAME", default_value = "RateLimit")]
+    tracing_service_name: String,
+    /// `service.namespace` of the exported spans (none when empty).
+    #[arg(long, env = "RLSD_TRACING_SERVICE_NAMESPACE", default_value = "")]
+    tracing_service_namespace: String,
+    /// `service.instance.id` of the exported spans (none when empty).
+    #[arg(long, env = "RLSD_TRACING_SERVICE_INSTANCE_ID", default_value = "")]
+    tracing_service_instance_id: String,
+    /// Share of new traces sampled, 0 to 1; a caller's sampling decision is always followed.
+    #[arg(long, env = "RLSD_TRACING_SAMPLING_RATE", default_value_t = 1.0)]
+    tracing_sampling_rate: f64,
+    /// The OTLP collector (`http://host:port`; with `http`, spans go to `<endpoint>/v1/traces`);
+    /// default: localhost on 4318 (`http`) or 4317 (`grpc`).
+    #[arg(long, env = "RLSD_OTLP_ENDPOINT", value_name = "URL")]
+    otlp_endpoint: Option<String>,
+    /// OTLP over `http` (protobuf bodies) or `grpc`.
+    #[arg(long, env = "RLSD_OTLP_PROTOCOL", value_enum, default_value_t = OtlpProtocol::Http)]
+    otlp_protocol: OtlpProtocol,
     /// Also serve gRPC, plaintext, on this Unix domain socket (for an Envoy on the same host or
     /// in the same pod: its cluster address is then `pipe: {path: ...}`).
     #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET", value_name = "PATH")]
@@ -563,7 +587,22 @@ async fn serve_with<S: Store>(
         tokio::spawn(reloader.watch(Duration::from_millis(args.reload_interval_ms)));
     }
     let store_name = store.name();
-    let limiter = RateLimiter::new(Arc::clone(&config), store, settings).with_metrics(metrics);
+    let mut limiter = RateLimiter::new(Arc::clone(&config), store, settings).with_metrics(metrics);
+    let telemetry = match args.tracing {
+        false => None,
+        true => {
+            let telemetry = Telemetry::start(&TracingSettings {
+                service_name: args.tracing_service_name.clone(),
+                service_namespace: args.tracing_service_namespace.clone(),
+                service_instance_id: args.tracing_service_instance_id.clone(),
+                sampling_rate: args.tracing_sampling_rate,
+                endpoint: args.otlp_endpoint.clone(),
+                protocol: args.otlp_protocol,
+            })?;
+            limiter = limiter.with_tracing(telemetry.tracer());
+            Some(telemetry)
+        }
+    };
     let options = ServeOptions {
         drain: Duration::try_from_secs_f64(args.drain_seconds)
             .context("--drain-seconds must be a non-negative number")?,
@@ -589,7 +628,11 @@ async fn serve_with<S: Store>(
         .map(|socket| socket.path().display().to_string());
     let stop = server::termination_signal();
     tracing::info!(grpc = %grpc_addr, http = %http_addr, grpc_unix, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
-    server::run_with(limiter, config, listeners, options, stop).await?;
+    let served = server::run_with(limiter, config, listeners, options, stop).await;
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown().await;
+    }
+    served?;
     tracing::info!("stopped");
     Ok(())
 }

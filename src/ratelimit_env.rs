@@ -253,12 +253,65 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
             );
         }
     }
+    tracing(&get, &mut flags)?;
     if get("DEBUG_PORT").is_some() {
         flags
             .notes
             .push("DEBUG_PORT: /rlconfig is on the HTTP port (PORT), not a debug port".into());
     }
     Ok(flags)
+}
+
+/// TRACING_* and OTEL_EXPORTER_OTLP_ENDPOINT as `--tracing` and its flags; with tracing off,
+/// the others are not read (nor are they by envoyproxy/ratelimit).
+fn tracing(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<(), EnvError> {
+    if !boolean("TRACING_ENABLED", get("TRACING_ENABLED"))? {
+        return Ok(());
+    }
+    flags.args.push("--tracing".into());
+    for (variable, flag) in [
+        ("TRACING_SERVICE_NAME", "tracing-service-name"),
+        ("TRACING_SERVICE_NAMESPACE", "tracing-service-namespace"),
+        ("TRACING_SERVICE_INSTANCE_ID", "tracing-service-instance-id"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-endpoint"),
+    ] {
+        if let Some(value) = get(variable) {
+            flags.flag(flag, value);
+        }
+    }
+    if let Some(rate) = get("TRACING_SAMPLING_RATE") {
+        if !rate.parse::<f64>().is_ok_and(|r| (0.0..=1.0).contains(&r)) {
+            return Err(invalid(
+                "TRACING_SAMPLING_RATE",
+                &rate,
+                "a number from 0 to 1",
+            ));
+        }
+        flags.flag("tracing-sampling-rate", rate);
+    }
+    match get("TRACING_EXPORTER_PROTOCOL") {
+        None => {}
+        Some(protocol) if protocol.eq_ignore_ascii_case("http") => {
+            flags.flag("otlp-protocol", "http".into());
+        }
+        Some(protocol) if protocol.eq_ignore_ascii_case("grpc") => {
+            flags.flag("otlp-protocol", "grpc".into());
+        }
+        Some(protocol) => {
+            return Err(invalid(
+                "TRACING_EXPORTER_PROTOCOL",
+                &protocol,
+                "http or grpc",
+            ));
+        }
+    }
+    if get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some() {
+        flags.notes.push(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: not read; spans go to OTEL_EXPORTER_OTLP_ENDPOINT"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// CONFIG_GRPC_XDS_* as `--config-xds` and the `--xds-*` flags.

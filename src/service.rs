@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
+use opentelemetry::trace::TraceContextExt as _;
 use tonic::{Request, Response, Status};
 
 use crate::algorithm::{Hits, Verdict};
@@ -21,6 +22,7 @@ use crate::pb::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
 };
 use crate::store::{Outcome, Store, StoreError, quotas_pass};
+use crate::telemetry::RequestTracer;
 
 /// Which rate limit headers rlsd adds to responses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -147,6 +149,8 @@ pub struct RateLimiter<S> {
     store_duration: prometheus::Histogram,
     /// Whether the last store call failed, so failures and recoveries are logged once.
     store_failing: AtomicBool,
+    /// Traces each call when tracing is on.
+    tracer: Option<RequestTracer>,
 }
 
 impl<S: Store> RateLimiter<S> {
@@ -160,7 +164,14 @@ impl<S: Store> RateLimiter<S> {
             settings,
             metrics,
             store_failing: AtomicBool::new(false),
+            tracer: None,
         }
+    }
+
+    /// Traces every `ShouldRateLimit` call with `tracer`.
+    pub fn with_tracing(mut self, tracer: RequestTracer) -> Self {
+        self.tracer = Some(tracer);
+        self
     }
 
     /// Counts into `metrics` instead of a private registry.
@@ -190,6 +201,15 @@ impl<S: Store> RateLimiter<S> {
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
+        self.decide_in(request, None).await
+    }
+
+    /// [`RateLimiter::decide`], tracing the store call as a child of `trace` when given.
+    async fn decide_in(
+        &self,
+        request: pb::RateLimitRequest,
+        trace: Option<&opentelemetry::Context>,
+    ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
             .inspect_err(|_| self.metrics.invalid_requests.inc())?;
         // One snapshot for the whole request, however the config changes meanwhile.
@@ -203,9 +223,19 @@ impl<S: Store> RateLimiter<S> {
         if plan.checks.is_empty() {
             return Ok(assemble(&plan, &[], self.settings.headers));
         }
+        let store_trace = trace.zip(self.tracer.as_ref()).map(|(parent, tracer)| {
+            tracer.store_span(parent, self.store.name(), plan.checks.len())
+        });
         let started = Instant::now();
         let decided = self.store.decide(&plan.checks).await;
         self.store_duration.observe(started.elapsed().as_secs_f64());
+        if let Some(store_trace) = store_trace {
+            let span = store_trace.span();
+            if let Err(error) = &decided {
+                span.set_status(opentelemetry::trace::Status::error(error.to_string()));
+            }
+            span.end();
+        }
         match decided {
             Ok(outcomes) => {
                 if self.store_failing.swap(false, Ordering::Relaxed) {
@@ -321,10 +351,45 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
         let started = Instant::now();
-        let answer = self.decide(request.into_inner()).await.map(Response::new);
+        let answer = match &self.tracer {
+            None => self.decide(request.into_inner()).await,
+            Some(tracer) => {
+                let trace = tracer.request_span(request.metadata(), &request.get_ref().domain);
+                let answer = self.decide_in(request.into_inner(), Some(&trace)).await;
+                end_request_span(&trace, &answer);
+                answer
+            }
+        };
         self.metrics.observe_request(started.elapsed());
-        answer
+        answer.map(Response::new)
     }
+}
+
+/// Ends a call's span with its verdict, or the error it answered.
+fn end_request_span(
+    trace: &opentelemetry::Context,
+    answer: &Result<pb::RateLimitResponse, Status>,
+) {
+    let span = trace.span();
+    match answer {
+        Ok(response) => {
+            let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
+            span.set_attribute(opentelemetry::KeyValue::new(
+                "ratelimit.overall_code",
+                code.as_str_name(),
+            ));
+        }
+        Err(status) => {
+            span.set_attribute(opentelemetry::KeyValue::new(
+                "rpc.grpc.status_code",
+                i64::from(i32::from(status.code())),
+            ));
+            span.set_status(opentelemetry::trace::Status::error(
+                status.message().to_owned(),
+            ));
+        }
+    }
+    span.end();
 }
 
 /// Turns the wire request into the engine's, rejecting what Envoy would never send and what

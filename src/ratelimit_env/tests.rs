@@ -426,3 +426,86 @@ fn xds_variables_take_envoyproxy_ratelimits_defaults_and_go_durations() {
         );
     }
 }
+
+#[test]
+fn tracing_variables_turn_tracing_on_with_envoy_gateways_settings() {
+    let flags = read(&[
+        ("TRACING_ENABLED", "true"),
+        ("TRACING_SERVICE_NAME", "envoy-ratelimit"),
+        ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system"),
+        ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-7d9c-x2"),
+        ("TRACING_SAMPLING_RATE", "0.5"),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://otel-svc.observability:4318",
+        ),
+    ])
+    .expect("supported");
+    assert!(flags.args.iter().any(|arg| arg == "--tracing"));
+    assert_eq!(
+        value(&flags, "tracing-service-name"),
+        Some("envoy-ratelimit")
+    );
+    assert_eq!(
+        value(&flags, "tracing-service-namespace"),
+        Some("envoy-gateway-system")
+    );
+    assert_eq!(
+        value(&flags, "tracing-service-instance-id"),
+        Some("envoy-ratelimit-7d9c-x2")
+    );
+    assert_eq!(value(&flags, "tracing-sampling-rate"), Some("0.5"));
+    assert_eq!(
+        value(&flags, "otlp-endpoint"),
+        Some("http://otel-svc.observability:4318")
+    );
+    // envoyproxy/ratelimit's default exporter is OTLP over HTTP, as is rlsd's.
+    assert_eq!(value(&flags, "otlp-protocol"), None);
+    let grpc = read(&[
+        ("TRACING_ENABLED", "true"),
+        ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&grpc, "otlp-protocol"), Some("grpc"));
+}
+
+#[test]
+fn tracing_off_reads_no_tracing_variable_and_bad_values_are_named() {
+    let off = read(&[
+        ("TRACING_ENABLED", "false"),
+        ("TRACING_SAMPLING_RATE", "7"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+    ])
+    .expect("tracing off");
+    assert!(
+        off.args
+            .iter()
+            .all(|arg| !arg.contains("tracing") && !arg.contains("otlp")),
+        "{:?}",
+        off.args
+    );
+    for (vars, variable) in [
+        (&[("TRACING_ENABLED", "yes")][..], "TRACING_ENABLED"),
+        (
+            &[
+                ("TRACING_ENABLED", "true"),
+                ("TRACING_SAMPLING_RATE", "1.5"),
+            ][..],
+            "TRACING_SAMPLING_RATE",
+        ),
+        (
+            &[
+                ("TRACING_ENABLED", "true"),
+                ("TRACING_EXPORTER_PROTOCOL", "zipkin"),
+            ][..],
+            "TRACING_EXPORTER_PROTOCOL",
+        ),
+    ] {
+        match read(vars) {
+            Err(EnvError::Invalid {
+                variable: named, ..
+            }) => assert_eq!(named, variable),
+            other => panic!("{vars:?}: {other:?}"),
+        }
+    }
+}
