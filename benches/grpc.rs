@@ -99,6 +99,10 @@
 //! (anything else) and gRPC errors are counted and printed; any of the last three is reported
 //! loudly, as is a request never answered.
 //!
+//! `RLSD_BENCH_TRACING=1` adds `rlsd-traced`: `rlsd` with OpenTelemetry tracing on, every request
+//! sampled (the bench sends no trace context, so each is a new trace), exported over OTLP/gRPC
+//! to a span-counting collector on a thread of its own.
+//!
 //! `RLSD_LOG` (a `tracing` filter, e.g. `rlsd=debug,h2=debug`) logs what the servers in this
 //! process log, to stderr: why a connection ended, say.
 //!
@@ -124,6 +128,12 @@ mod stalls;
 mod workload;
 
 use arc_swap::ArcSwap;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use redis_server::Redis;
 use rlsd::config::Config;
 use rlsd::metrics::Metrics;
@@ -135,6 +145,7 @@ use rlsd::pb::{
 use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd::telemetry::{OtlpProtocol, Telemetry, TracingSettings};
 use tokio::net::TcpListener;
 use tokio::runtime::{Handle, Runtime};
 use tonic::transport::server::TcpIncoming;
@@ -166,6 +177,7 @@ struct Opts {
     client_threads: usize,
     shared: bool,
     extra: bool,
+    tracing: bool,
     phases: Vec<String>,
     open_rate: Option<f64>,
     open_fractions: Vec<f64>,
@@ -203,6 +215,7 @@ impl Opts {
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
+            tracing: var("RLSD_BENCH_TRACING", 0_u8) == 1,
             phases: var(
                 "RLSD_BENCH_PHASES",
                 "peak,h2load,raw,open,raw-open,single,raw-single".to_owned(),
@@ -370,6 +383,59 @@ async fn start_service<T: RateLimitService>(service: T) -> SocketAddr {
             .expect("server serves");
     });
     addr
+}
+
+/// An OTLP/gRPC collector that counts the spans it receives, on a thread of its own so its CPU
+/// is not counted as the server's.
+struct OtlpSink {
+    addr: SocketAddr,
+    spans: Arc<AtomicU64>,
+    _runtime: Runtime,
+}
+
+#[derive(Clone)]
+struct SpanCounter(Arc<AtomicU64>);
+
+#[tonic::async_trait]
+impl TraceService for SpanCounter {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let spans: usize = request
+            .get_ref()
+            .resource_spans
+            .iter()
+            .flat_map(|resource| &resource.scope_spans)
+            .map(|scope| scope.spans.len())
+            .sum();
+        self.0.fetch_add(spans as u64, Ordering::Relaxed);
+        Ok(Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl OtlpSink {
+    fn start() -> OtlpSink {
+        let runtime = runtime(1, "otlp-sink");
+        let listener = runtime
+            .block_on(TcpListener::bind(loopback()))
+            .expect("bind the OTLP sink");
+        let addr = listener.local_addr().expect("sink address");
+        let spans = Arc::new(AtomicU64::new(0));
+        let counter = SpanCounter(Arc::clone(&spans));
+        runtime.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(counter))
+                .serve_with_incoming(TcpIncoming::from(listener))
+                .await
+                .expect("the OTLP sink serves");
+        });
+        OtlpSink {
+            addr,
+            spans,
+            _runtime: runtime,
+        }
+    }
 }
 
 /// Replays fixed answers: rlsd's, captured at start, so the bytes on the wire are the same.
@@ -1522,6 +1588,30 @@ fn main() {
             (server_handle.block_on(start_service(limiter)), None),
         ));
     }
+    // Kept alive until the end: the traced server's exporter and the sink it exports to.
+    let mut traced = None;
+    if opts.tracing {
+        let sink = OtlpSink::start();
+        let endpoint = format!("http://{}", sink.addr);
+        let telemetry = server_handle.block_on(async {
+            Telemetry::start(&TracingSettings {
+                service_name: "rlsd-bench".to_owned(),
+                service_namespace: String::new(),
+                service_instance_id: String::new(),
+                sampling_rate: 1.0,
+                endpoint: Some(endpoint),
+                protocol: OtlpProtocol::Grpc,
+            })
+            .expect("start tracing")
+        });
+        let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());
+        let limiter = limiter.with_tracing(telemetry.tracer());
+        addrs.push((
+            "rlsd-traced",
+            server_handle.block_on(start_server(limiter, config, opts.lanes)),
+        ));
+        traced = Some((telemetry, sink));
+    }
     if let Some(only) = &opts.only {
         addrs.retain(|(name, _)| only.iter().any(|o| o == name));
     }
@@ -1864,6 +1954,14 @@ fn main() {
     }
 
     drop(servers);
+    if let Some((telemetry, sink)) = traced {
+        server_handle.block_on(telemetry.shutdown());
+        println!(
+            "rlsd-traced: {} spans received by the OTLP sink (two per request exported; the \
+             batch processor drops spans when its queue of 2048 is full)",
+            sink.spans.load(Ordering::Relaxed)
+        );
+    }
     client_rt.shutdown_timeout(Duration::from_secs(1));
     if let Some(rt) = server_rt {
         rt.shutdown_timeout(Duration::from_secs(1));
