@@ -547,3 +547,60 @@ async fn ratelimit_serves_with_envoy_gateways_environment_over_tls() {
     assert!(status.success(), "{status:?}");
     server.stop();
 }
+
+/// A management server rlsd cannot verify (another CA, or not the pinned name) never sees a
+/// subscription and never configures rlsd; rlsd keeps retrying and keeps serving meanwhile.
+#[test]
+fn an_xds_server_that_fails_verification_configures_nothing() {
+    let pki = Pki::new();
+    let ca = pki.ca("control-plane-ca");
+    let other_ca = pki.ca("another-ca");
+    let control_plane = pki.issue(&ca, "envoy-gateway", Leaf::Server, 2);
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        control_plane.cert_pem(),
+        control_plane.key_pem(),
+    ));
+    let server = AdsServer::start_with("127.0.0.1:0".parse().unwrap(), Arc::default(), Some(tls));
+    server.push("1", limits("guarded", 1, RateLimitUnit::Minute));
+    let addr = server.addr.to_string();
+    let serve = |ca: &std::path::Path, san: Option<&str>| {
+        let mut args = vec![
+            "--config-xds".to_owned(),
+            addr.clone(),
+            "--xds-tls".to_owned(),
+            "--xds-tls-ca".to_owned(),
+            ca.display().to_string(),
+            "--xds-force-start".to_owned(),
+            "--xds-retry-interval-ms".to_owned(),
+            "100".to_owned(),
+        ];
+        if let Some(san) = san {
+            args.extend(["--xds-tls-san".to_owned(), san.to_owned()]);
+        }
+        Rlsd::serve(args)
+    };
+
+    for (ca, san) in [(&other_ca.cert, None), (&ca.cert, Some("envoy-gateway"))] {
+        let rlsd = serve(ca, san);
+        // Two failures: the first attempt and a retry after it.
+        let deadline = Instant::now() + WAIT;
+        while rlsd.log().matches("xDS stream lost").count() < 2 {
+            assert!(Instant::now() < deadline, "no retries:\n{}", rlsd.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let log = rlsd.log();
+        assert!(log.to_lowercase().contains("certificate"), "{log}");
+        assert_eq!(codes(&rlsd, "guarded", 3), [OK, OK, OK]);
+        assert!(
+            server.ads.state.lock().unwrap().requests.is_empty(),
+            "an unverified server got a subscription (CA {}, SAN {san:?})",
+            ca.display()
+        );
+    }
+
+    // The right CA and a name the certificate has: subscribed and enforced.
+    let rlsd = serve(&ca.cert, Some("localhost"));
+    server.wait_for("ACK of version 1", is_ack("1"));
+    assert_eq!(codes(&rlsd, "guarded", 2), [OK, OVER_LIMIT]);
+    server.stop();
+}
