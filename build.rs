@@ -3,8 +3,11 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     let well_known = protoc_bin_vendored::include_path()?;
-    // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
-    unsafe { std::env::set_var("PROTOC", protoc) };
+    let prost_config = || {
+        let mut config = tonic_prost_build::Config::new();
+        config.protoc_executable(protoc.clone());
+        config
+    };
     println!("cargo:rerun-if-changed=proto");
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
@@ -14,7 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // prost's codec, with the response written by hand (src/codec.rs).
         .codec_path("crate::codec::RlsCodec")
-        .compile_protos(
+        .compile_with_config(
+            prost_config(),
             &[std::path::PathBuf::from(
                 "proto/envoy/service/ratelimit/v3/rls.proto",
             )],
@@ -24,7 +28,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        .compile_protos(
+        .compile_with_config(
+            prost_config(),
             &[
                 std::path::PathBuf::from("proto/envoy/service/discovery/v3/discovery.proto"),
                 std::path::PathBuf::from("proto/ratelimit/config/ratelimit/v3/rls_conf.proto"),

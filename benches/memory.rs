@@ -29,6 +29,7 @@ struct Counting;
 static LIVE_BYTES: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
 
 // SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
+#[expect(unsafe_code, reason = "a counting global allocator")]
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
         LIVE_BYTES.fetch_add(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);

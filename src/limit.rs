@@ -9,12 +9,19 @@ pub const MICROS_PER_SECOND: u64 = 1_000_000;
 /// A time unit of a limit, as envoyproxy/ratelimit names them (month = 30 days, year = 365 days).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unit {
+    /// One second.
     Second,
+    /// 60 seconds.
     Minute,
+    /// 3,600 seconds.
     Hour,
+    /// 86,400 seconds.
     Day,
+    /// 7 days.
     Week,
+    /// 30 days.
     Month,
+    /// 365 days.
     Year,
 }
 

@@ -20,6 +20,7 @@ fn count() {
 }
 
 // SAFETY: forwards every call to mimalloc unchanged.
+#[expect(unsafe_code, reason = "a counting global allocator")]
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         count();

@@ -56,6 +56,7 @@ pub struct Run {
 }
 
 /// CPU seconds of this process's waited-for children so far.
+#[expect(unsafe_code, reason = "getrusage")]
 fn children_cpu() -> f64 {
     // SAFETY: getrusage only writes the struct it is given.
     let usage = unsafe {

@@ -594,6 +594,7 @@ fn micros(d: Duration) -> u32 {
 /// Drives `addr` with `bodies` (in turn, each a gRPC message) as `load` says, on the calling
 /// thread, and calls `done` for every measured answer. `snapshot` is called when measuring
 /// begins and ends (the caller's CPU counters).
+#[expect(unsafe_code, reason = "prctl timer slack and ppoll")]
 pub fn run<T>(
     addr: SocketAddr,
     bodies: &[Vec<u8>],

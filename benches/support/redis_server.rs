@@ -28,6 +28,7 @@ impl Redis {
 
     /// Starts redis-server as the last argument of `wrapper` (e.g. `valgrind` and its options;
     /// none: redis-server itself) and waits until it answers.
+    #[expect(unsafe_code, reason = "prctl(PR_SET_PDEATHSIG) in pre_exec")]
     pub fn start_under(wrapper: &[&str]) -> Redis {
         let port = free_port();
         let mut command = match wrapper.split_first() {

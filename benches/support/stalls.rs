@@ -80,6 +80,7 @@ pub fn line(stalls: &[CpuStalls]) -> String {
 ///
 /// # Panics
 /// When the calling thread cannot be pinned to `cpu`: unpinned, the figures would mean nothing.
+#[expect(unsafe_code, reason = "sched_setaffinity to pin the probe")]
 pub fn spin_on(cpu: usize, span: Duration) -> CpuStalls {
     // SAFETY: a zeroed cpu_set_t is a valid empty set, CPU_SET writes one bit of it, and
     // sched_setaffinity(0, ..) only reads it to pin the calling thread.
@@ -121,6 +122,7 @@ pub fn spin_on(cpu: usize, span: Duration) -> CpuStalls {
 ///
 /// # Panics
 /// When the kernel does not say.
+#[expect(unsafe_code, reason = "sched_getaffinity")]
 pub fn allowed_cpus() -> Vec<usize> {
     // SAFETY: sched_getaffinity fills the zeroed set it is given; CPU_ISSET only reads it.
     unsafe {

@@ -556,6 +556,7 @@ pub fn termination_signal() -> impl Future<Output = ()> + Send + 'static {
 ///
 /// # Errors
 /// When the kernel refuses `prctl(PR_SET_THP_DISABLE)` (before Linux 3.15, or a seccomp filter).
+#[expect(unsafe_code, reason = "a prctl call; the kernel owns the flag")]
 pub fn disable_transparent_huge_pages() -> std::io::Result<()> {
     // prctl reads its arguments as unsigned longs.
     let (on, unused): (libc::c_ulong, libc::c_ulong) = (1, 0);

@@ -104,6 +104,7 @@ const DIRECTORY_LOCK_WAIT: Duration = Duration::from_secs(1);
 /// An exclusive `flock` on the directory holding `path`, held until the file is dropped; none
 /// (binding goes on unlocked, as before the lock) when the directory cannot be opened for
 /// reading, the filesystem has no locks, or the lock stays taken for [`DIRECTORY_LOCK_WAIT`].
+#[expect(unsafe_code, reason = "an flock call on a file it owns")]
 fn lock_directory_of(path: &Path) -> Option<std::fs::File> {
     let directory = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
