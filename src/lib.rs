@@ -13,6 +13,7 @@
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with certificates reloaded from their files.
 
 pub mod algorithm;
+pub mod cli;
 pub mod clock;
 pub mod codec;
 pub mod config;

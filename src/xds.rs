@@ -89,6 +89,9 @@ pub enum XdsError {
     /// The stream failed or was refused.
     #[error("stream: {0}")]
     Stream(#[from] tonic::Status),
+    /// The client ended before any config arrived.
+    #[error("the xDS client stopped before the first config arrived")]
+    Stopped,
 }
 
 /// Parses `k1:v1,k2=v2` pairs (either separator, as envoyproxy/ratelimit's variables use).
@@ -160,6 +163,32 @@ impl XdsClient {
             applied,
         };
         Ok((client, receiver))
+    }
+
+    /// Starts a client on this runtime and, unless `force_start`, waits for the first config
+    /// it accepts.
+    ///
+    /// # Errors
+    /// Unusable settings (as [`XdsClient::new`]).
+    pub async fn start(
+        settings: XdsSettings,
+        force_start: bool,
+        config: Arc<ArcSwap<Config>>,
+        metrics: Arc<Metrics>,
+    ) -> Result<(), XdsError> {
+        let server = settings.server.clone();
+        let (client, mut applied) = XdsClient::new(settings, config, metrics)?;
+        tokio::spawn(client.run());
+        if force_start {
+            tracing::info!(%server, "starting before any config arrives over xDS: every domain is unknown until then");
+            return Ok(());
+        }
+        tracing::info!(%server, "waiting for the first config over xDS");
+        applied
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| XdsError::Stopped)?;
+        Ok(())
     }
 
     /// Streams config until the process ends, reconnecting after each loss.

@@ -7,7 +7,7 @@
 //!   unknown fields, rebuilt as Envoy's own protobuf messages (`envoy-types`) whose type URLs
 //!   must be the `@type`s written, and encoded. The descriptors Envoy would send are computed
 //!   from those messages and must land on limits of `examples/three-layer.yaml`.
-//! - The Kubernetes manifests are checked against `rlsd serve --help`: flags, `RLSD_*`
+//! - The Kubernetes manifests are checked against `rlsd serve`'s clap command: flags, `RLSD_*`
 //!   variables, default ports, probes, the config mount and what it holds.
 //! - Every metric the Grafana dashboard queries must be in the exposition of a real rlsd
 //!   process, and every gRPC health service a probe names must answer SERVING there.
@@ -605,7 +605,7 @@ fn the_json_parser_is_strict() {
 
 // === rlsd itself =================================================================================
 
-/// A flag of `rlsd serve`, as its `--help` describes it.
+/// A flag of `rlsd serve`, as its clap command defines it.
 #[derive(Debug, Clone)]
 struct Flag {
     takes_value: bool,
@@ -615,84 +615,37 @@ struct Flag {
     possible: Vec<String>,
 }
 
-/// `rlsd serve --help`, parsed: flags by long name (`--config`).
+/// `rlsd serve`'s flags by long name (`--config`), read from the clap command itself.
 fn serve_flags() -> &'static BTreeMap<String, Flag> {
     static FLAGS: OnceLock<BTreeMap<String, Flag>> = OnceLock::new();
     FLAGS.get_or_init(|| {
-        let output = process::command()
-            .args(["serve", "--help"])
-            .output()
-            .expect("rlsd runs");
-        assert!(output.status.success(), "rlsd serve --help failed");
-        let help = String::from_utf8(output.stdout).expect("UTF-8 help");
-        let flags = parse_help(&help);
-        for expected in ["--config", "--grpc-addr", "--http-addr", "--headers"] {
-            assert!(
-                flags.contains_key(expected),
-                "`rlsd serve --help` has no {expected}; did its format change?\n{help}"
-            );
-        }
-        flags
+        let command = <rlsd::cli::Cli as clap::CommandFactory>::command();
+        let serve = command
+            .find_subcommand("serve")
+            .expect("a serve subcommand");
+        // The global flags (`--log-level`) are defined on the top command.
+        command
+            .get_arguments()
+            .chain(serve.get_arguments())
+            .filter_map(|arg| {
+                let long = arg.get_long()?;
+                let flag = Flag {
+                    takes_value: arg.get_action().takes_values(),
+                    env: arg.get_env().map(|env| env.to_string_lossy().into_owned()),
+                    default: arg
+                        .get_default_values()
+                        .first()
+                        .map(|value| value.to_string_lossy().into_owned()),
+                    possible: arg
+                        .get_possible_values()
+                        .iter()
+                        .map(|value| value.get_name().to_owned())
+                        .collect(),
+                };
+                Some((format!("--{long}"), flag))
+            })
+            .collect()
     })
-}
-
-fn parse_help(help: &str) -> BTreeMap<String, Flag> {
-    let mut flags = BTreeMap::new();
-    let mut current: Option<(String, Flag)> = None;
-    let mut in_possible = false;
-    for line in help.lines() {
-        let trimmed = line.trim();
-        let flag_line = line.starts_with("  ")
-            && (trimmed.starts_with("--") || trimmed.starts_with('-'))
-            && trimmed.contains("--")
-            && !line.starts_with("          ");
-        if flag_line {
-            if let Some((name, flag)) = current.take() {
-                flags.insert(name, flag);
-            }
-            let long = trimmed
-                .split_whitespace()
-                .find(|w| w.starts_with("--"))
-                .expect("a long flag");
-            current = Some((
-                long.trim_end_matches(',').to_owned(),
-                Flag {
-                    takes_value: trimmed.contains('<'),
-                    env: None,
-                    default: None,
-                    possible: Vec::new(),
-                },
-            ));
-            in_possible = false;
-            continue;
-        }
-        let Some((_, flag)) = current.as_mut() else {
-            continue;
-        };
-        if let Some(env) = trimmed.strip_prefix("[env: ") {
-            // `[env: NAME=]`, or `[env: NAME=value]` when the variable is set.
-            flag.env = env.split('=').next().map(str::to_owned);
-        } else if let Some(default) = trimmed.strip_prefix("[default: ") {
-            flag.default = Some(default.trim_end_matches(']').to_owned());
-        } else if let Some(values) = trimmed.strip_prefix("[possible values: ") {
-            flag.possible = values
-                .trim_end_matches(']')
-                .split(", ")
-                .map(str::to_owned)
-                .collect();
-        } else if trimmed == "Possible values:" {
-            in_possible = true;
-        } else if in_possible && let Some(item) = trimmed.strip_prefix("- ") {
-            let name = item.split(':').next().unwrap_or_default().trim();
-            flag.possible.push(name.to_owned());
-        } else if trimmed.is_empty() {
-            in_possible = false;
-        }
-    }
-    if let Some((name, flag)) = current.take() {
-        flags.insert(name, flag);
-    }
-    flags
 }
 
 fn flag(name: &str) -> &'static Flag {
@@ -723,7 +676,7 @@ fn default_port(flag_name: &str) -> u16 {
 }
 
 #[test]
-fn the_help_parser_reads_rlsd() {
+fn the_flags_are_read_from_rlsd() {
     assert_eq!(default_port("--grpc-addr"), 8081);
     assert_eq!(default_port("--http-addr"), 8080);
     assert_eq!(flag("--config").env.as_deref(), Some("RLSD_CONFIG"));
@@ -2000,7 +1953,7 @@ fn image_env() -> BTreeMap<String, String> {
 }
 
 /// How one rlsd container is configured: flags after `rlsd serve`, then env, then the image's
-/// ENV, then the binary's defaults; every name and value checked against `rlsd serve --help`.
+/// ENV, then the binary's defaults; every name and value checked against `rlsd serve`'s flags.
 struct RlsdSettings {
     values: BTreeMap<String, String>,
 }
@@ -2023,7 +1976,7 @@ impl RlsdSettings {
         };
         let apply_env = |values: &mut BTreeMap<String, String>, env: &str, value: &str| {
             let Some((flag_name, _)) = flag_for_env(env) else {
-                panic!("{what}: {env} is not a variable `rlsd serve --help` lists");
+                panic!("{what}: {env} is not a variable of an `rlsd serve` flag");
             };
             check_value(flag_name, value);
             values.insert(flag_name.clone(), value.to_owned());
@@ -2079,7 +2032,7 @@ impl RlsdSettings {
                 "{what}: `{arg}` is not a flag; `rlsd serve` takes no positional arguments"
             );
             let f = serve_flags().get(&flag_name).unwrap_or_else(|| {
-                panic!("{what}: {flag_name} is not a flag `rlsd serve --help` lists")
+                panic!("{what}: {flag_name} is not an `rlsd serve` flag")
             });
             let value = if f.takes_value {
                 inline

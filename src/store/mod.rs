@@ -1,5 +1,6 @@
 //! Where counters live. A store decides every check of one request atomically: all or nothing.
 
+pub mod any;
 pub mod cache;
 pub mod cluster;
 pub mod memory;
@@ -9,6 +10,7 @@ use std::future::Future;
 
 use crate::algorithm::{Hits, Params, Verdict};
 
+pub use any::{AnyStore, StoreSettings, connect};
 pub use cache::OverLimitCache;
 pub use cluster::{ClusterSettings, ClusterStore};
 pub use memory::{MemoryStore, MemoryStoreStats};

@@ -1,0 +1,621 @@
+//! The command line: `rlsd serve`, `check` and `simulate`, their flags (each also an `RLSD_*`
+//! variable), and the settings of each part of the server that the flags make.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use crate::engine::KeySettings;
+use crate::metrics::DEFAULT_NEAR_LIMIT_RATIO;
+use crate::server::{self, ServeOptions};
+use crate::service::{FailureMode, HeaderStyle, RequestLimits, ServiceSettings};
+use crate::store::memory::DEFAULT_MAX_KEYS;
+use crate::store::redis::SentinelTarget;
+use crate::store::{ClientIdentity, ClusterSettings, RedisSettings, StoreSettings};
+use crate::telemetry::{OtlpProtocol, TracingSettings};
+use crate::tls::{TlsError, TlsFiles, TlsSettings};
+use crate::xds::{XdsSettings, XdsTls};
+
+/// Flags that make sense one by one but not together.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// Sentinel connections are not built with a private CA: taken silently, the flag would
+    /// leave them trusting the public roots instead.
+    #[error(
+        "--redis-ca applies to --redis-mode single and cluster; with sentinel, rlsd cannot yet \
+         trust a private CA"
+    )]
+    SentinelCa,
+    /// Sentinel connections present no client certificate.
+    #[error(
+        "--redis-tls-cert applies to --redis-mode single and cluster; with sentinel, rlsd \
+         cannot yet present a client certificate"
+    )]
+    SentinelClientCert,
+    /// A number of seconds that is negative or not finite.
+    #[error("--{flag} must be a non-negative number of seconds")]
+    Seconds {
+        /// The flag, without its dashes.
+        flag: &'static str,
+    },
+}
+
+/// A rate limit service for Envoy.
+#[derive(Parser)]
+#[command(version, about)]
+pub struct Cli {
+    /// Log level (`error`, `warn`, `info`, `debug`, `trace`); `RLSD_LOG` takes a full filter.
+    #[arg(long, global = true, env = "RLSD_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    /// Log format.
+    #[arg(long, global = true, env = "RLSD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Which Redis topology `--redis-url` names.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RedisMode {
+    /// One Redis server.
+    Single,
+    /// A Redis Cluster, reached through seed nodes.
+    Cluster,
+    /// The master Redis Sentinel names, followed through failovers; `--redis-url` lists the
+    /// Sentinels.
+    Sentinel,
+}
+
+/// How log lines are written to stderr.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// What `rlsd` does.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Serve Envoy's RateLimitService over gRPC.
+    Serve(Box<ServeArgs>),
+    /// Validate a config, print the limits it defines, exit 1 on errors.
+    Check {
+        /// A YAML file, or a directory of `*.yaml` files (one domain each).
+        #[arg(long, env = "RLSD_CONFIG")]
+        config: PathBuf,
+    },
+    /// Replay traffic against a descriptor's limit under each algorithm; print a table, draw an SVG.
+    Simulate(crate::simulate::Args),
+}
+
+/// `rlsd serve`'s flags.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A YAML file, or a directory of `*.yaml` files (one domain each).
+    #[arg(
+        long,
+        env = "RLSD_CONFIG",
+        required_unless_present = "config_xds",
+        conflicts_with = "config_xds"
+    )]
+    pub config: Option<PathBuf>,
+    /// Take the config from this xDS management server instead (`host:port`, `http://` or
+    /// `https://`), as Envoy Gateway pushes it: ADS state of the world, `RateLimitConfig`.
+    #[arg(long, env = "RLSD_CONFIG_XDS", value_name = "ADDR")]
+    pub config_xds: Option<String>,
+    /// `node.id` sent to the xDS server.
+    #[arg(
+        long,
+        env = "RLSD_XDS_NODE_ID",
+        default_value = "rlsd",
+        requires = "config_xds"
+    )]
+    pub xds_node_id: String,
+    /// `node.metadata` sent to the xDS server: `k1:v1,k2=v2`.
+    #[arg(long, env = "RLSD_XDS_NODE_METADATA", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
+    pub xds_node_metadata: Option<Pairs>,
+    /// Extra gRPC metadata on the xDS stream: `k1:v1,k2=v2`.
+    #[arg(long, env = "RLSD_XDS_HEADERS", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
+    pub xds_headers: Option<Pairs>,
+    /// Wait after a lost xDS stream before reconnecting, in milliseconds.
+    #[arg(long, env = "RLSD_XDS_RETRY_INTERVAL_MS", default_value_t = 3000)]
+    pub xds_retry_interval_ms: u64,
+    /// Connect to the xDS server over TLS.
+    #[arg(long, env = "RLSD_XDS_TLS", requires = "config_xds")]
+    pub xds_tls: bool,
+    /// PEM CA certificates that sign the xDS server's certificate (default: public roots).
+    #[arg(
+        long,
+        env = "RLSD_XDS_TLS_CA",
+        value_name = "PATH",
+        requires = "xds_tls"
+    )]
+    pub xds_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for the xDS server (mutual TLS; with `--xds-tls-key`).
+    #[arg(long, env = "RLSD_XDS_TLS_CERT", value_name = "PATH", requires_all = ["xds_tls", "xds_tls_key"])]
+    pub xds_tls_cert: Option<PathBuf>,
+    /// The PEM key of `--xds-tls-cert`.
+    #[arg(long, env = "RLSD_XDS_TLS_KEY", value_name = "PATH", requires_all = ["xds_tls", "xds_tls_cert"])]
+    pub xds_tls_key: Option<PathBuf>,
+    /// The name the xDS server's certificate must carry (default: the address's host).
+    #[arg(
+        long,
+        env = "RLSD_XDS_TLS_SAN",
+        value_name = "NAME",
+        requires = "xds_tls"
+    )]
+    pub xds_tls_san: Option<String>,
+    /// With `--config-xds`: serve at once, every domain unknown, instead of waiting for the
+    /// first config to arrive before opening any port.
+    #[arg(long, env = "RLSD_XDS_FORCE_START", requires = "config_xds")]
+    pub xds_force_start: bool,
+    /// gRPC listen address (Envoy's `rate_limit_service`).
+    #[arg(long, env = "RLSD_GRPC_ADDR", default_value = "0.0.0.0:8081")]
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
+    #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Also serve the metrics, and only them, on this address (a port Prometheus scrapes).
+    #[arg(long, env = "RLSD_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// The path of the metrics on `--metrics-addr`.
+    #[arg(
+        long,
+        env = "RLSD_METRICS_PATH",
+        default_value = "/metrics",
+        value_parser = url_path,
+        requires = "metrics_addr"
+    )]
+    pub metrics_path: String,
+    /// Trace every ShouldRateLimit call with OpenTelemetry, exported over OTLP: a server span,
+    /// child of the `traceparent` or B3 context Envoy sends, with the store call as its child.
+    #[arg(long, env = "RLSD_TRACING")]
+    pub tracing: bool,
+    /// `service.name` of the exported spans.
+    #[arg(long, env = "RLSD_TRACING_SERVICE_NAME", default_value = "RateLimit")]
+    pub tracing_service_name: String,
+    /// `service.namespace` of the exported spans (none when empty).
+    #[arg(long, env = "RLSD_TRACING_SERVICE_NAMESPACE", default_value = "")]
+    pub tracing_service_namespace: String,
+    /// `service.instance.id` of the exported spans (none when empty).
+    #[arg(long, env = "RLSD_TRACING_SERVICE_INSTANCE_ID", default_value = "")]
+    pub tracing_service_instance_id: String,
+    /// Share of new traces sampled, 0 to 1; a caller's sampling decision is always followed.
+    #[arg(long, env = "RLSD_TRACING_SAMPLING_RATE", default_value_t = 1.0)]
+    pub tracing_sampling_rate: f64,
+    /// The OTLP collector (`http://host:port`; with `http`, spans go to `<endpoint>/v1/traces`);
+    /// default: localhost on 4318 (`http`) or 4317 (`grpc`).
+    #[arg(long, env = "RLSD_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+    /// OTLP over `http` (protobuf bodies) or `grpc`.
+    #[arg(long, env = "RLSD_OTLP_PROTOCOL", value_enum, default_value_t = OtlpProtocol::Http)]
+    pub otlp_protocol: OtlpProtocol,
+    /// Also serve gRPC, plaintext, on this Unix domain socket (for an Envoy on the same host or
+    /// in the same pod: its cluster address is then `pipe: {path: ...}`).
+    #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET", value_name = "PATH")]
+    pub grpc_unix_socket: Option<PathBuf>,
+    /// Permissions of the socket file, in octal (connecting needs write permission).
+    #[arg(long, env = "RLSD_GRPC_UNIX_SOCKET_MODE", value_name = "OCTAL", default_value = "660", value_parser = octal_mode)]
+    pub grpc_unix_socket_mode: u32,
+    /// Most keys the in-process store holds; requests needing more get UNAVAILABLE.
+    #[arg(long, env = "RLSD_MAX_KEYS", default_value_t = DEFAULT_MAX_KEYS)]
+    pub max_keys: usize,
+    /// First component of every store key.
+    #[arg(long, env = "RLSD_KEY_PREFIX", default_value = "rlsd")]
+    pub key_prefix: String,
+    /// Rate limit headers added to responses.
+    #[arg(long, env = "RLSD_HEADERS", value_enum, default_value_t = HeaderStyle::XRatelimit)]
+    pub headers: HeaderStyle,
+    /// Keep state in Redis (`redis://[user:pass@]host:port[/db]`, `rediss://` for TLS) instead
+    /// of in process, so replicas share it.
+    #[arg(long, env = "RLSD_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// `single`: one Redis (or a primary behind a proxy); `cluster`: Redis Cluster, with
+    /// `--redis-url` a comma-separated list of seed nodes; `sentinel`: the master that Redis
+    /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
+    #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
+    pub redis_mode: RedisMode,
+    /// Denials remembered in process: a request whose every limit is a denial known to hold
+    /// until T is answered until T without a Redis round trip, exactly as Redis would (0: off).
+    #[arg(long, env = "RLSD_OVER_LIMIT_CACHE", default_value_t = 100_000)]
+    pub over_limit_cache: usize,
+    /// The master name Sentinel monitors (`--redis-mode sentinel`).
+    #[arg(long, env = "RLSD_REDIS_MASTER_NAME", default_value = "mymaster")]
+    pub redis_master_name: String,
+    /// A PEM file of CA certificates to trust for `rediss://` (instead of the built-in roots);
+    /// not with `--redis-mode sentinel`.
+    #[arg(long, env = "RLSD_REDIS_CA", value_name = "PATH")]
+    pub redis_ca: Option<PathBuf>,
+    /// A PEM client certificate to present to Redis over `rediss://` (with `--redis-tls-key`);
+    /// not with `--redis-mode sentinel`.
+    #[arg(
+        long,
+        env = "RLSD_REDIS_TLS_CERT",
+        value_name = "PATH",
+        requires = "redis_tls_key"
+    )]
+    pub redis_tls_cert: Option<PathBuf>,
+    /// The PEM key of `--redis-tls-cert`.
+    #[arg(
+        long,
+        env = "RLSD_REDIS_TLS_KEY",
+        value_name = "PATH",
+        requires = "redis_tls_cert"
+    )]
+    pub redis_tls_key: Option<PathBuf>,
+    /// Longest wait for a Redis connection, in milliseconds.
+    #[arg(long, env = "RLSD_REDIS_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
+    pub redis_connect_timeout_ms: u64,
+    /// Longest wait for one Redis call, in milliseconds (Envoy waits 20 ms for the whole call).
+    #[arg(long, env = "RLSD_REDIS_COMMAND_TIMEOUT_MS", default_value_t = 5)]
+    pub redis_command_timeout_ms: u64,
+    /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
+    #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = crate::store::redis::DEFAULT_MAX_BATCH)]
+    pub redis_max_batch: usize,
+    /// Coalesced Redis calls in flight at once, per serving lane.
+    #[arg(long, env = "RLSD_REDIS_PIPELINES", default_value_t = crate::store::redis::DEFAULT_PIPELINES)]
+    pub redis_pipelines: usize,
+    /// The answer when the store fails: `error` (gRPC UNAVAILABLE; Envoy's
+    /// `failure_mode_deny` decides), `allow` or `deny`.
+    #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
+    pub failure_mode: FailureMode,
+    /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
+    #[arg(long, env = "RLSD_SHADOW_MODE")]
+    pub shadow_mode: bool,
+    /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a fresh
+    /// 2 MiB page stalls the thread that touches it, for milliseconds in some VMs).
+    #[arg(long, env = "RLSD_TRANSPARENT_HUGE_PAGES")]
+    pub transparent_huge_pages: bool,
+    /// How often to look for config changes, in milliseconds (0: only on SIGHUP).
+    #[arg(long, env = "RLSD_RELOAD_INTERVAL_MS", default_value_t = 1000)]
+    pub reload_interval_ms: u64,
+    /// Threads that serve requests (default: one per core the process may use). In process and
+    /// with one Redis server each is a lane of its own: it serves the connections handed to it,
+    /// with its own Redis connection, and nothing crosses threads.
+    #[arg(long, env = "RLSD_WORKER_THREADS")]
+    pub worker_threads: Option<std::num::NonZeroUsize>,
+    /// On SIGTERM/SIGINT: seconds to keep answering with health NOT_SERVING before closing.
+    #[arg(long, env = "RLSD_DRAIN_SECONDS", default_value_t = 0.0)]
+    pub drain_seconds: f64,
+    /// After the drain: the longest wait, in seconds, for open calls and connections to finish
+    /// (a health `Watch` stream never does) before rlsd exits anyway.
+    #[arg(long, env = "RLSD_SHUTDOWN_GRACE_SECONDS", default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64())]
+    pub shutdown_grace_seconds: f64,
+    /// Usage ratio (0 to 1) above which allowed hits also count in `near_limit`.
+    #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO, value_parser = ratio)]
+    pub near_limit_ratio: f64,
+    /// Serve gRPC over TLS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, env = "RLSD_TLS_CERT", value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = "RLSD_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: require client certificates signed by a CA in this PEM file.
+    #[arg(
+        long,
+        env = "RLSD_TLS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+    /// How often to look for changed TLS files, in milliseconds (0: never).
+    #[arg(long, env = "RLSD_TLS_RELOAD_INTERVAL_MS", default_value_t = 5000)]
+    pub tls_reload_interval_ms: u64,
+    /// Most descriptors in one request; more is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_DESCRIPTORS",
+        default_value_t = RequestLimits::DEFAULT_MAX_DESCRIPTORS,
+        value_parser = at_least_one
+    )]
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor; more is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_ENTRIES",
+        default_value_t = RequestLimits::DEFAULT_MAX_ENTRIES,
+        value_parser = at_least_one
+    )]
+    pub max_entries: usize,
+    /// Longest descriptor entry key, in bytes; longer is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_KEY_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_KEY_BYTES,
+        value_parser = at_least_one
+    )]
+    pub max_key_bytes: usize,
+    /// Longest descriptor entry value, in bytes; longer is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_VALUE_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_VALUE_BYTES
+    )]
+    pub max_value_bytes: usize,
+    /// Largest `hits_addend` of a request or descriptor; larger is INVALID_ARGUMENT.
+    #[arg(
+        long,
+        env = "RLSD_MAX_HITS_ADDEND",
+        default_value_t = RequestLimits::DEFAULT_MAX_HITS_ADDEND
+    )]
+    pub max_hits_addend: u64,
+    /// Largest encoded gRPC request, in bytes; larger is refused by tonic with OUT_OF_RANGE.
+    #[arg(
+        long,
+        env = "RLSD_MAX_MESSAGE_BYTES",
+        default_value_t = RequestLimits::DEFAULT_MAX_MESSAGE_BYTES,
+        value_parser = at_least_one
+    )]
+    pub max_message_bytes: usize,
+}
+
+impl Cli {
+    /// The command line; or, run as `ratelimit` (the image's `/bin/ratelimit`) with no
+    /// arguments, `rlsd serve` with the flags envoyproxy/ratelimit's environment variables
+    /// mean, and notes to log about them.
+    pub fn from_process() -> Result<(Cli, Vec<String>), String> {
+        let mut args = std::env::args_os();
+        let program = args.next().unwrap_or_default();
+        let as_ratelimit = std::path::Path::new(&program)
+            .file_name()
+            .is_some_and(|name| name == crate::ratelimit_env::PROGRAM);
+        if !as_ratelimit || args.next().is_some() {
+            return Ok((Cli::parse(), Vec::new()));
+        }
+        let flags = crate::ratelimit_env::serve_flags(|name| std::env::var(name).ok())
+            .map_err(|error| error.to_string())?;
+        let command_line = ["rlsd".to_owned(), "serve".to_owned()]
+            .into_iter()
+            .chain(flags.args.iter().cloned());
+        // The flags came from the environment: say so, and which flags, when one is refused
+        // (the Redis URL may hold a password, so not that one).
+        let cli = Cli::try_parse_from(command_line).map_err(|error| {
+            let shown: Vec<&str> = flags
+                .args
+                .iter()
+                .map(|arg| {
+                    if arg.starts_with("--redis-url=") {
+                        "--redis-url=(hidden)"
+                    } else {
+                        arg
+                    }
+                })
+                .collect();
+            format!(
+                "the environment's settings as rlsd flags ({}) were refused: {error}",
+                shown.join(" ")
+            )
+        })?;
+        Ok((cli, flags.notes))
+    }
+
+    /// Logs to stderr at `--log-level` (or the `RLSD_LOG` filter), as `--log-format` says.
+    pub fn init_logs(&self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("RLSD_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&self.log_level));
+        let logs = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        match self.log_format {
+            LogFormat::Text => logs
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .init(),
+            LogFormat::Json => logs.json().init(),
+        }
+    }
+}
+
+impl ServeArgs {
+    /// The store the flags name: in process without `--redis-url`.
+    pub fn store_settings(&self) -> Result<StoreSettings, SettingsError> {
+        if self.redis_mode == RedisMode::Sentinel {
+            if self.redis_ca.is_some() {
+                return Err(SettingsError::SentinelCa);
+            }
+            if self.redis_tls_cert.is_some() {
+                return Err(SettingsError::SentinelClientCert);
+            }
+        }
+        let Some(url) = &self.redis_url else {
+            return Ok(StoreSettings::Memory {
+                max_keys: self.max_keys,
+            });
+        };
+        let identity = self
+            .redis_tls_cert
+            .clone()
+            .zip(self.redis_tls_key.clone())
+            .map(|(cert, key)| ClientIdentity { cert, key });
+        let urls = || {
+            url.split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        let connect_timeout = Duration::from_millis(self.redis_connect_timeout_ms);
+        let command_timeout = Duration::from_millis(self.redis_command_timeout_ms);
+        if self.redis_mode == RedisMode::Cluster {
+            let mut cluster = ClusterSettings::new(urls());
+            cluster.connect_timeout = connect_timeout;
+            cluster.command_timeout = command_timeout;
+            cluster.ca_file.clone_from(&self.redis_ca);
+            cluster.client_identity = identity;
+            return Ok(StoreSettings::Cluster(cluster));
+        }
+        let mut redis = RedisSettings::new(url.clone());
+        redis.connect_timeout = connect_timeout;
+        redis.command_timeout = command_timeout;
+        redis.max_batch = self.redis_max_batch.max(1);
+        redis.pipelines = self.redis_pipelines.max(1);
+        redis.ca_file.clone_from(&self.redis_ca);
+        redis.client_identity = identity;
+        redis.lanes = self.serving_lanes();
+        if self.redis_mode == RedisMode::Sentinel {
+            redis.sentinel = Some(SentinelTarget {
+                sentinels: urls(),
+                master_name: self.redis_master_name.clone(),
+            });
+        }
+        Ok(StoreSettings::Redis {
+            redis,
+            over_limit_cache: self.over_limit_cache,
+        })
+    }
+
+    /// How the service answers: keys, headers, failures, shadow mode, request bounds.
+    pub fn service_settings(&self) -> ServiceSettings {
+        ServiceSettings {
+            keys: KeySettings {
+                prefix: self.key_prefix.clone(),
+            },
+            headers: self.headers,
+            failure_mode: self.failure_mode,
+            shadow_mode: self.shadow_mode,
+            limits: RequestLimits {
+                max_descriptors: self.max_descriptors,
+                max_entries: self.max_entries,
+                max_key_bytes: self.max_key_bytes,
+                max_value_bytes: self.max_value_bytes,
+                max_hits_addend: self.max_hits_addend,
+                max_message_bytes: self.max_message_bytes,
+            },
+        }
+    }
+
+    /// The tracing exporter's settings; `None` without `--tracing`.
+    pub fn tracing_settings(&self) -> Option<TracingSettings> {
+        self.tracing.then(|| TracingSettings {
+            service_name: self.tracing_service_name.clone(),
+            service_namespace: self.tracing_service_namespace.clone(),
+            service_instance_id: self.tracing_service_instance_id.clone(),
+            sampling_rate: self.tracing_sampling_rate,
+            endpoint: self.otlp_endpoint.clone(),
+            protocol: self.otlp_protocol,
+        })
+    }
+
+    /// The xDS client's settings; `None` without `--config-xds`.
+    pub fn xds_settings(&self) -> Option<XdsSettings> {
+        let server = self.config_xds.clone()?;
+        Some(XdsSettings {
+            server,
+            node_id: self.xds_node_id.clone(),
+            node_metadata: self
+                .xds_node_metadata
+                .clone()
+                .map(|pairs| pairs.0)
+                .unwrap_or_default(),
+            retry_interval: Duration::from_millis(self.xds_retry_interval_ms),
+            headers: self
+                .xds_headers
+                .clone()
+                .map(|pairs| pairs.0)
+                .unwrap_or_default(),
+            tls: self.xds_tls.then(|| XdsTls {
+                ca: self.xds_tls_ca.clone(),
+                cert: self.xds_tls_cert.clone(),
+                key: self.xds_tls_key.clone(),
+                san: self.xds_tls_san.clone(),
+            }),
+        })
+    }
+
+    /// The gRPC port's TLS from `--tls-*`, loaded and validated; `None` without `--tls-cert`.
+    pub fn tls_settings(&self) -> Result<Option<Arc<TlsSettings>>, TlsError> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            return Ok(None);
+        };
+        let files = TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: self.tls_client_ca.clone(),
+        };
+        let tls = TlsSettings::load(files)?
+            .with_reload_interval(Duration::from_millis(self.tls_reload_interval_ms));
+        Ok(Some(Arc::new(tls)))
+    }
+
+    /// How the server drains, stops and spreads connections, with the gRPC port's `tls`.
+    pub fn serve_options(
+        &self,
+        tls: Option<Arc<TlsSettings>>,
+    ) -> Result<ServeOptions, SettingsError> {
+        let seconds = |value: f64, flag| {
+            Duration::try_from_secs_f64(value).map_err(|_| SettingsError::Seconds { flag })
+        };
+        Ok(ServeOptions {
+            drain: seconds(self.drain_seconds, "drain-seconds")?,
+            shutdown_grace: seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds")?,
+            tls,
+            lanes: self.serving_lanes(),
+        })
+    }
+
+    /// Threads that serve requests: `--worker-threads`, else one per core the process may use.
+    pub fn serving_threads(&self) -> usize {
+        self.worker_threads.map_or_else(
+            || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            std::num::NonZeroUsize::get,
+        )
+    }
+
+    /// Serving lanes: one per serving thread, except with Redis Cluster or Sentinel, whose
+    /// stores keep one shared connection that every thread would reach across threads; those
+    /// serve on the multi-thread runtime instead.
+    pub fn serving_lanes(&self) -> usize {
+        match (&self.redis_url, self.redis_mode) {
+            (Some(_), RedisMode::Cluster | RedisMode::Sentinel) => 0,
+            _ => self.serving_threads(),
+        }
+    }
+}
+
+/// `k1:v1,k2=v2` pairs, as one flag value.
+#[derive(Clone, Debug)]
+pub struct Pairs(pub Vec<(String, String)>);
+
+fn pairs(text: &str) -> Result<Pairs, String> {
+    crate::xds::parse_pairs(text).map(Pairs)
+}
+
+fn url_path(text: &str) -> Result<String, String> {
+    if text.starts_with('/') {
+        Ok(text.to_owned())
+    } else {
+        Err("a path starting with /".into())
+    }
+}
+
+/// Parses file permissions in octal (`660`, `0600`).
+fn octal_mode(text: &str) -> Result<u32, String> {
+    match u32::from_str_radix(text, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        Ok(_) => Err("permissions go up to 777".to_owned()),
+        Err(error) => Err(format!("not an octal mode: {error}")),
+    }
+}
+
+/// Parses a ratio from 0 to 1 (NaN or a negative ratio would count every hit as near the limit).
+fn ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+        Ok(_) => Err("must be from 0 to 1".to_owned()),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// Parses a count that must be at least 1 (a limit of 0 would refuse every request).
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(error) => Err(error.to_string()),
+    }
+}
