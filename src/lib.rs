@@ -12,13 +12,14 @@
 //! - [`simulate`]: `rlsd simulate`, replaying traffic through the engine under each algorithm.
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with certificates reloaded from their files.
 
+pub mod admin;
 pub mod algorithm;
 pub mod cli;
 pub mod clock;
 pub mod codec;
 pub mod config;
 pub mod engine;
-pub mod http;
+pub mod health;
 pub mod json;
 pub mod lane;
 pub mod limit;

@@ -52,7 +52,7 @@ fn check(path: &std::path::Path) -> ExitCode {
     match config::load_path(path) {
         Ok(config) => {
             config::warn_about_unread(path, &config);
-            print!("{}", rlsd::http::describe(&config));
+            print!("{}", rlsd::admin::describe(&config));
             println!("{}: {} domain(s) OK", path.display(), config.domains.len());
             ExitCode::SUCCESS
         }

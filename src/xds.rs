@@ -291,7 +291,7 @@ impl XdsClient {
         for domain in config.domains.values() {
             tracing::info!(domain = %domain.name, source = %domain.source, "xDS domain");
         }
-        for line in crate::http::describe(&config).lines() {
+        for line in crate::admin::describe(&config).lines() {
             tracing::debug!(limit = line, "xDS limit");
         }
         self.config.store(Arc::new(config));

@@ -2031,9 +2031,9 @@ impl RlsdSettings {
                 flag_name.starts_with("--"),
                 "{what}: `{arg}` is not a flag; `rlsd serve` takes no positional arguments"
             );
-            let f = serve_flags().get(&flag_name).unwrap_or_else(|| {
-                panic!("{what}: {flag_name} is not an `rlsd serve` flag")
-            });
+            let f = serve_flags()
+                .get(&flag_name)
+                .unwrap_or_else(|| panic!("{what}: {flag_name} is not an `rlsd serve` flag"));
             let value = if f.takes_value {
                 inline
                     .or_else(|| args.next())

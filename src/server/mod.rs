@@ -1,4 +1,4 @@
-//! Listeners, health, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
+//! Listeners, the gRPC routes, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
 mod connection;
 mod lanes;
@@ -12,7 +12,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -23,20 +22,14 @@ use tonic::body::Body;
 use tonic::codegen::{BoxFuture, Service};
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use tonic_health::server::HealthReporter;
 
+use crate::admin::{self, AdminState};
 use crate::config::Config;
-use crate::http::{self, AdminState};
+use crate::health::Health;
 use crate::pb::RateLimitServiceServer;
 use crate::service::RateLimiter;
 use crate::store::Store;
 use crate::tls::TlsSettings;
-
-/// The gRPC health service names rlsd answers for, besides "" (the whole server).
-const HEALTH_SERVICES: [&str; 2] = ["ratelimit", "envoy.service.ratelimit.v3.RateLimitService"];
-
-/// How often the store's health is probed.
-const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -106,39 +99,6 @@ impl Listeners {
     }
 }
 
-/// What the server reports about itself: draining, and whether its store answers.
-#[derive(Debug)]
-pub struct Health {
-    draining: AtomicBool,
-    store_ok: AtomicBool,
-}
-
-impl Default for Health {
-    fn default() -> Self {
-        Health {
-            draining: AtomicBool::new(false),
-            store_ok: AtomicBool::new(true),
-        }
-    }
-}
-
-impl Health {
-    /// Whether the server should receive traffic.
-    pub fn serving(&self) -> bool {
-        !self.draining() && self.store_ok()
-    }
-
-    /// Whether a shutdown is under way.
-    pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
-
-    /// Whether the store answered its last probe.
-    pub fn store_ok(&self) -> bool {
-        self.store_ok.load(Ordering::Relaxed)
-    }
-}
-
 /// Server behaviour beyond the sockets.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -204,9 +164,8 @@ pub async fn run_with<S: Store>(
     options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
-    let health = Arc::new(Health::default());
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    set_grpc_health(&reporter, true).await;
+    let health = Arc::new(Health::new(reporter).await);
     let metrics = limiter.metrics();
     let store = limiter.store();
     let max_message_bytes = limiter.limits().max_message_bytes;
@@ -217,30 +176,12 @@ pub async fn run_with<S: Store>(
         // An error means the sender is gone, which also means stop.
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let prober = {
-        let (health, reporter, metrics) =
-            (Arc::clone(&health), reporter.clone(), Arc::clone(&metrics));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(HEALTH_INTERVAL);
-            loop {
-                tick.tick().await;
-                let ok = store.healthy().await;
-                store.report(&metrics);
-                if health.store_ok.swap(ok, Ordering::Relaxed) != ok {
-                    tracing::warn!(store = store.name(), healthy = ok, "store health changed");
-                    if !health.draining() {
-                        set_grpc_health(&reporter, ok).await;
-                    }
-                }
-            }
-        })
-    };
+    let prober = health.spawn_prober(store, Arc::clone(&metrics));
     {
-        let (health, reporter) = (Arc::clone(&health), reporter.clone());
+        let health = Arc::clone(&health);
         tokio::spawn(async move {
             shutdown.await;
-            health.draining.store(true, Ordering::Relaxed);
-            set_grpc_health(&reporter, false).await;
+            health.start_draining().await;
             if !options.drain.is_zero() {
                 tracing::info!(drain = ?options.drain, "draining: health is NOT_SERVING, still answering");
                 tokio::time::sleep(options.drain).await;
@@ -291,7 +232,7 @@ pub async fn run_with<S: Store>(
         options.shutdown_grace,
     );
     let metrics_only = listeners.metrics.map(|(listener, path)| {
-        let serve = axum::serve(listener, http::metrics_router(&path, Arc::clone(&metrics)))
+        let serve = axum::serve(listener, admin::metrics_router(&path, Arc::clone(&metrics)))
             .with_graceful_shutdown(stopped(stop_rx.clone()));
         tokio::spawn(async move { serve.await })
     });
@@ -301,7 +242,7 @@ pub async fn run_with<S: Store>(
         health,
         limiter,
     };
-    let admin = axum::serve(listeners.http, http::router(admin_state))
+    let admin = axum::serve(listeners.http, admin::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));
     let ((), admin) = tokio::join!(grpc, admin);
     if let Some(task) = metrics_only {
@@ -499,18 +440,6 @@ fn hand_unix_to_lane<S: Store>(
             Err(error) => tracing::debug!(%error, "cannot register a unix connection on its lane"),
         }
     });
-}
-
-async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
-    let status = if serving {
-        tonic_health::ServingStatus::Serving
-    } else {
-        tonic_health::ServingStatus::NotServing
-    };
-    reporter.set_service_status("", status).await;
-    for service in HEALTH_SERVICES {
-        reporter.set_service_status(service, status).await;
-    }
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the

@@ -67,7 +67,7 @@ fn a_pushed_set_loads_like_the_files_it_stands_for() {
     assert_eq!(config.domains.len(), 2);
     assert_eq!(config.domains["edge"].source, "xds:edge version v7");
     assert_eq!(config.domains["plans"].source, "xds:plans version v7");
-    let described = crate::http::describe(&config);
+    let described = crate::admin::describe(&config);
     assert!(
         described.contains("edge.remote_address: 5 per second (fixed_window)"),
         "{described}"
@@ -166,7 +166,7 @@ fn quota_mode_and_metadata_come_over_xds_as_in_files() {
         .into(),
     });
     let config = load_response(&response("1", &[resource("ai", "ai", vec![quota])])).unwrap();
-    let described = crate::http::describe(&config);
+    let described = crate::admin::describe(&config);
     assert!(
         described.contains("ai.model_small: 2 per hour (fixed_window) [quota]"),
         "{described}"

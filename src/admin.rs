@@ -13,10 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 use crate::config::{Config, Level, Policy};
+use crate::health::Health;
 use crate::json;
 use crate::metrics::Metrics;
 use crate::pb::rate_limit_response::Code;
-use crate::server::Health;
 use crate::service::Decide;
 
 /// What the admin routes read.
