@@ -1,8 +1,7 @@
 //! TLS and mutual TLS on the gRPC port, with certificates reloaded when their files change.
 //!
-//! The accept loop never waits on a handshake: each accepted socket is handed to its own task,
-//! which runs the handshake under a timeout with an acceptor made from the current
-//! [`ServerConfig`], and forwards the connection to the server only if the handshake succeeded. A
+//! The accept loop never waits on a handshake: each connection's task (on its lane) runs
+//! [`handshake`] under a timeout with an acceptor made from the current [`ServerConfig`]. A
 //! failed handshake is logged at debug and the socket dropped.
 //!
 //! Reloads work like [`crate::reload`]: the contents of the certificate, key and client CA files
@@ -22,14 +21,12 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
-use tokio_stream::wrappers::ReceiverStream;
 
 /// How often the TLS files are checked for changes unless told otherwise.
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(5);
@@ -39,9 +36,6 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The only application protocol the gRPC port speaks.
 const ALPN_H2: &[u8] = b"h2";
-
-/// Connections that finished their handshake and wait for the server to take them.
-const ACCEPTED_BACKLOG: usize = 128;
 
 /// Where the gRPC port's TLS material is read from (PEM files).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -359,63 +353,6 @@ impl AsyncWrite for TlsConnection {
     }
 }
 
-/// The stream of handshaken connections the server serves.
-pub type TlsIncoming = ReceiverStream<TlsConnection>;
-
-/// Accepts TCP connections on `listener` and yields those whose TLS handshake succeeds.
-///
-/// Must be called inside a tokio runtime. The accept loop ends, closing the listener, when the
-/// returned stream is dropped (the server drops it at shutdown).
-pub fn incoming(listener: TcpListener, tls: Arc<TlsSettings>) -> TlsIncoming {
-    let (accepted, stream) = mpsc::channel(ACCEPTED_BACKLOG);
-    tokio::spawn(accept_loop(listener, tls, accepted));
-    ReceiverStream::new(stream)
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    tls: Arc<TlsSettings>,
-    accepted: mpsc::Sender<TlsConnection>,
-) {
-    loop {
-        let (socket, peer) = tokio::select! {
-            () = accepted.closed() => return,
-            next = accept(&listener) => next,
-        };
-        let handshake = handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
-        let accepted = accepted.clone();
-        tokio::spawn(async move {
-            if let Some(connection) = handshake.await {
-                // An error means the server stopped; the connection is dropped.
-                let _ = accepted.send(connection).await;
-            }
-        });
-    }
-}
-
-/// The next connection on `listener`, with `TCP_NODELAY` set; accept errors are logged and
-/// retried (after a pause when they are not about the one connection).
-pub(crate) async fn accept(listener: &TcpListener) -> (TcpStream, SocketAddr) {
-    loop {
-        match listener.accept().await {
-            Ok((socket, peer)) => {
-                if let Err(error) = socket.set_nodelay(true) {
-                    tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
-                }
-                return (socket, peer);
-            }
-            Err(error) if per_connection(&error) => {
-                tracing::debug!(%error, "accept failed");
-            }
-            Err(error) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(%error, "accept failed; retrying shortly");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
 /// The TLS handshake on `socket`, bounded by `timeout`; failures are logged and give `None`.
 pub(crate) async fn handshake(
     socket: TcpStream,
@@ -434,17 +371,4 @@ pub(crate) async fn handshake(
             None
         }
     }
-}
-
-/// Whether an accept error concerns only the one connection being accepted.
-pub(crate) fn per_connection(error: &io::Error) -> bool {
-    matches!(
-        error.kind(),
-        io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionRefused
-            | io::ErrorKind::Interrupted
-            | io::ErrorKind::WouldBlock
-            | io::ErrorKind::TimedOut
-    )
 }

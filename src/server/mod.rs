@@ -1,5 +1,6 @@
 //! Listeners, the gRPC routes, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
+mod accept;
 mod connection;
 mod lanes;
 mod unix;
@@ -17,7 +18,6 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
-use tokio_stream::StreamExt;
 use tonic::body::Body;
 use tonic::codegen::{BoxFuture, Service};
 use tonic::server::NamedService;
@@ -313,54 +313,15 @@ async fn serve_grpc<S: Store>(
 ) {
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let mut signal = pin!(signal);
-    match (tls, &lanes) {
-        (tls, Some(lanes)) => {
-            loop {
-                tokio::select! {
-                    () = &mut signal => break,
-                    (socket, peer) = crate::tls::accept(&listener) => {
-                        hand_to_lane(lanes, socket, peer, tls.clone(), routes.clone(), closing_rx.clone());
-                    }
-                    socket = unix::accept(unix.as_ref()) => {
-                        hand_unix_to_lane(lanes, socket, routes.clone(), closing_rx.clone());
-                    }
-                }
-            }
-            drop(listener);
-        }
-        (None, None) => {
-            loop {
-                tokio::select! {
-                    () = &mut signal => break,
-                    (socket, _) = crate::tls::accept(&listener) => {
-                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
-                    }
-                    socket = unix::accept(unix.as_ref()) => {
-                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
-                    }
-                }
-            }
-            drop(listener);
-        }
-        (Some(tls), None) => {
-            // Dropping the stream ends its accept loop, which closes the listener.
-            let mut incoming = crate::tls::incoming(listener, tls);
-            loop {
-                tokio::select! {
-                    () = &mut signal => break,
-                    next = incoming.next() => match next {
-                        Some(tls_connection) => {
-                            tokio::spawn(connection::serve(tls_connection, routes.clone(), closing_rx.clone()));
-                        }
-                        None => break,
-                    },
-                    socket = unix::accept(unix.as_ref()) => {
-                        tokio::spawn(connection::serve(socket, routes.clone(), closing_rx.clone()));
-                    }
-                }
+    loop {
+        tokio::select! {
+            () = &mut signal => break,
+            accepted = accept::next(&listener, unix.as_ref()) => {
+                accept::dispatch(accepted, lanes.as_ref(), tls.clone(), routes.clone(), closing_rx.clone());
             }
         }
     }
+    drop(listener);
     // The socket file goes with the listener: new clients fail at once instead of queueing.
     drop(unix);
     let _ = closing.send(true);
@@ -372,74 +333,6 @@ async fn serve_grpc<S: Store>(
             "connections still open after the shutdown grace period; closing them"
         );
     }
-}
-
-/// Moves an accepted socket to the next lane, which registers it with its own runtime, does the
-/// TLS handshake if there is one, and serves the connection.
-fn hand_to_lane<S: Store>(
-    lanes: &lanes::Lanes,
-    socket: tokio::net::TcpStream,
-    peer: SocketAddr,
-    tls: Option<Arc<TlsSettings>>,
-    routes: GrpcRoutes<S>,
-    closing: tokio::sync::watch::Receiver<bool>,
-) {
-    // Registered with this runtime's reactor, the socket would wake this runtime's threads for
-    // every read; as a std socket it is registered afresh on the lane.
-    let socket = match socket.into_std() {
-        Ok(socket) => socket,
-        Err(error) => {
-            tracing::debug!(%peer, %error, "cannot hand a connection to a lane");
-            return;
-        }
-    };
-    lanes.spawn(async move {
-        let socket = match tokio::net::TcpStream::from_std(socket) {
-            Ok(socket) => socket,
-            Err(error) => {
-                tracing::debug!(%peer, %error, "cannot register a connection on its lane");
-                return;
-            }
-        };
-        match tls {
-            None => connection::serve(socket, routes, closing).await,
-            Some(tls) => {
-                let mut closing = closing;
-                let handshake =
-                    crate::tls::handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
-                // A client that never finishes its handshake must not hold up shutdown.
-                let handshaken = tokio::select! {
-                    handshaken = handshake => handshaken,
-                    _ = closing.wait_for(|closing| *closing) => None,
-                };
-                if let Some(tls_connection) = handshaken {
-                    connection::serve(tls_connection, routes, closing).await;
-                }
-            }
-        }
-    });
-}
-
-/// Moves a connection accepted on the Unix socket to the next lane, as [`hand_to_lane`] does.
-fn hand_unix_to_lane<S: Store>(
-    lanes: &lanes::Lanes,
-    socket: tokio::net::UnixStream,
-    routes: GrpcRoutes<S>,
-    closing: tokio::sync::watch::Receiver<bool>,
-) {
-    let socket = match socket.into_std() {
-        Ok(socket) => socket,
-        Err(error) => {
-            tracing::debug!(%error, "cannot hand a unix connection to a lane");
-            return;
-        }
-    };
-    lanes.spawn(async move {
-        match tokio::net::UnixStream::from_std(socket) {
-            Ok(socket) => connection::serve(socket, routes, closing).await,
-            Err(error) => tracing::debug!(%error, "cannot register a unix connection on its lane"),
-        }
-    });
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the

@@ -154,7 +154,7 @@ pub(crate) async fn accept(socket: Option<&UnixSocket>) -> UnixStream {
     loop {
         match socket.listener.accept().await {
             Ok((stream, _)) => return stream,
-            Err(error) if crate::tls::per_connection(&error) => {
+            Err(error) if super::accept::per_connection(&error) => {
                 tracing::debug!(%error, "unix socket accept failed");
             }
             Err(error) => {
