@@ -81,16 +81,12 @@
 //! threads named `bench-server`), and each rlsd serves its connections on lanes of its own
 //! (`RLSD_BENCH_LANES`, default the server threads; 0 serves them on the server runtime, as
 //! before lanes; lane threads count as server CPU), the clients on another runtime
-//! (`RLSD_BENCH_CLIENT_THREADS`, default 2, `bench-client`); `RLSD_BENCH_SHARED=1` puts both on one runtime. Variants tried on this
-//! 2-core machine (peak, 3 rounds, rlsd / baseline): 1+1 gave 0.77 (3 desc) / 0.81 (1 desc) and
-//! 0.79 / 0.95, 2+2 gave 0.69 / 0.80, 0.73 / 0.82 and 0.78 / 1.08, one shared 2-worker runtime
-//! 0.86 / 1.00 and 0.79 / 0.91 (other jobs were loading the machine: spread is ±10 %). 2+2 is the
-//! default: like rlsd in production (its own process, a worker per core) and like PERF.md (server
-//! and load generator sharing both cores, the kernel giving each what it asks for). 1+1 caps each
-//! side at one core, so whichever side is heavier bounds both, and with 1+1 the baseline was
-//! client-bound (client ~97 % of its core), flattering the ratio. The shared runtime runs client
-//! and server tasks on the same workers (cheap hand-offs a separate process never gets) and
-//! cannot tell server CPU from client CPU. Since the tonic client costs about as much CPU per
+//! (`RLSD_BENCH_CLIENT_THREADS`, default 2, `bench-client`); `RLSD_BENCH_SHARED=1` puts both on one runtime.
+//! 2+2 is the default: like rlsd in production (its own process, a worker per core) and like
+//! PERF.md (server and load generator sharing both cores); 1+1 caps each side at one core, so
+//! the heavier side bounds both (`docs/benchmark-log.md` has the variants measured). The shared
+//! runtime runs client and server tasks on the same workers (cheap hand-offs a separate process
+//! never gets) and cannot tell server CPU from client CPU. Since the tonic client costs about as much CPU per
 //! request as the server, req/s here is bound by the two cores together: the figure that carries
 //! over is the server's CPU per request (from `/proc/self/task/*/stat`, 10 ms ticks), and what
 //! rlsd adds to the baseline's.

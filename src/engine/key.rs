@@ -80,8 +80,7 @@ fn escaped(text: &str) -> Cow<'_, str> {
     }
 }
 
-/// The bytes `escape_into` encodes, as a table: one load per byte instead of five comparisons
-/// (callgrind, three-layer requests: 22 % fewer instructions in `escape_into`).
+/// The bytes `escape_into` encodes, as a table: one load per byte instead of five comparisons.
 static NEEDS_ESCAPE: [bool; 256] = {
     let mut table = [false; 256];
     table[b'%' as usize] = true;

@@ -366,15 +366,11 @@ pub fn termination_signal() -> impl Future<Output = ()> + Send + 'static {
 
 /// Turns transparent huge pages off for this process, as Redis does by default (`disable-thp`).
 ///
-/// mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`) and later gives freed memory
-/// back to the kernel; touching it again faults in and zeroes a whole 2 MiB page. In a VM whose
-/// host takes freed guest memory back, one such fault held the bench's client thread for 6.7
-/// ms, and `perf` put 2.7–4.1 % of the lanes' samples in that zeroing (3-layer Redis bench,
-/// 27 k req/s, open loop); with this call, none. The price is TLB misses: with 1 M live
-/// in-process keys the engine bench decides about 1 µs slower per 3-layer request, which is
-/// what `--transparent-huge-pages` is for. A `prctl` rather
-/// than mimalloc's own `allow_thp` option (the same call) because mimalloc reads that from the
-/// environment before `main` runs, out of reach of a flag.
+/// mimalloc asks for huge pages on its arenas and later gives freed memory back; touching it
+/// again faults in and zeroes a whole 2 MiB page, which stalls a serving thread for
+/// milliseconds in some VMs (measured in `docs/benchmark-log.md`). `--transparent-huge-pages`
+/// keeps them, for large in-process stores that gain from fewer TLB misses. A `prctl` because
+/// mimalloc reads its own `allow_thp` option before `main` runs, out of reach of a flag.
 ///
 /// # Errors
 /// When the kernel refuses `prctl(PR_SET_THP_DISABLE)` (before Linux 3.15, or a seccomp filter).
