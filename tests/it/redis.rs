@@ -1,7 +1,7 @@
 //! rlsd with the Redis store, over real gRPC and a real redis-server the test starts: exactness
 //! across replicas, TTLs, NOSCRIPT recovery, and outages.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Hot reload of the real binary: file changes, SIGHUP, a Kubernetes `..data` symlink swap, and
 //! a broken edit that must change nothing.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

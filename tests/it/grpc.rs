@@ -1,7 +1,7 @@
 //! rlsd over a real gRPC socket with the in-process store: statuses, headers, errors, config
 //! features and concurrency.
 
-mod common;
+use crate::common;
 
 use common::{T0, TestServer, descriptor, request};
 use rlsd::pb::rate_limit_descriptor::RateLimitOverride;

@@ -2,7 +2,7 @@
 //! naming the limit and the value, oversized messages are refused, and a rejected request
 //! counts nothing.
 
-mod common;
+use crate::common;
 
 use common::{TestServer, descriptor, request};
 use prost::Message;

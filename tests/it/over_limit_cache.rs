@@ -1,7 +1,7 @@
 //! The local over-limit cache in front of a real store: requests made only of known denials are
 //! answered locally until the store's own reset, for every algorithm, exactly as the store would.
 
-mod common;
+use crate::common;
 
 use common::T0;
 use std::sync::Arc;

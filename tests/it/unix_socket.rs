@@ -1,7 +1,7 @@
 //! gRPC on a Unix domain socket (`--grpc-unix-socket`): real clients over the socket, with lanes
 //! and without, counting against the same store as the TCP port; the socket file's life.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

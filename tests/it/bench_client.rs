@@ -2,12 +2,9 @@
 //! loopback: its figures are only as good as its framing, its answers and its schedule. With
 //! the client's framing, also what rlsd's answers look like on the wire.
 
-mod common;
+use crate::common;
 
-#[path = "../benches/support/h2load.rs"]
-mod h2load;
-#[path = "../benches/support/rawh2.rs"]
-mod rawh2;
+use crate::{h2load, rawh2};
 
 use std::time::Duration;
 
@@ -220,8 +217,7 @@ async fn an_answer_leaves_in_one_write() {
     server.stop().await;
 }
 
-#[path = "../benches/support/stalls.rs"]
-mod stalls;
+use crate::stalls;
 
 /// The stall probe counts the time a CPU runs something else: with a second busy thread on
 /// one of its CPUs, the scheduler takes about half of that CPU away, in slices far above 50 µs.

@@ -2,7 +2,7 @@
 //! `opentelemetry-proto` for gRPC, axum for HTTP/protobuf), with requests over real gRPC that
 //! carry the trace context Envoy sends (`traceparent`, B3).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -182,10 +182,8 @@ fn http_get(address: SocketAddr, path: &str) -> Option<String> {
     Some(response)
 }
 
-#[path = "common/process.rs"]
-mod process;
-#[path = "common/redis.rs"]
-mod redis_server;
+use crate::common::process;
+use crate::common::redis as redis_server;
 
 use process::Rlsd;
 
@@ -266,7 +264,7 @@ fn script_sha() -> String {
     // redis-cli computes nothing for us; ask a scratch redis for the SHA of the embedded script.
     let scratch = redis_server::RedisServer::start();
     scratch
-        .cli(&["SCRIPT", "LOAD", include_str!("../lua/ratelimit.lua")])
+        .cli(&["SCRIPT", "LOAD", include_str!("../../lua/ratelimit.lua")])
         .expect("load")
 }
 

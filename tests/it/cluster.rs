@@ -1,7 +1,7 @@
 //! rlsd on a real Redis Cluster (3 masters + 3 replicas on loopback) over gRPC: exactness
 //! across replicas with keys spread over slots, and a master killed under load.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

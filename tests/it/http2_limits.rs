@@ -2,12 +2,9 @@
 //! answer, even when its whole window of requests lands at once, as Envoy's backlog does after
 //! a stall.
 
-mod common;
+use crate::common;
 
-#[path = "../benches/support/h2load.rs"]
-mod h2load;
-#[path = "../benches/support/rawh2.rs"]
-mod rawh2;
+use crate::{h2load, rawh2};
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

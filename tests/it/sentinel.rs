@@ -1,6 +1,6 @@
 //! The Redis store through Redis Sentinel: decides on the master, and follows a failover.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

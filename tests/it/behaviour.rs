@@ -1,7 +1,7 @@
 //! The behaviour suite every store must pass unchanged: the semantics of docs/algorithms.md through
 //! the `Store` trait, on a clock the test drives. The Redis run uses a real redis-server.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,13 +1,13 @@
 //! The example three-layer policy over gRPC: every layer must pass, and a request denied by one
 //! layer costs nothing in the others.
 
-mod common;
+use crate::common;
 
 use common::{TestServer, descriptor, request};
 use rlsd::pb::RateLimitRequest;
 use rlsd::pb::rate_limit_response::Code;
 
-const POLICY: &str = include_str!("../examples/three-layer.yaml");
+const POLICY: &str = include_str!("../../examples/three-layer.yaml");
 
 fn layered(ip: &str, plan: &str, key: &str, endpoint: &str) -> RateLimitRequest {
     request(

@@ -3,7 +3,7 @@
 //!
 //! Certificates are made by the `openssl` CLI in a temporary directory, per test.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

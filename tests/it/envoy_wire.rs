@@ -1,7 +1,7 @@
 //! Wire compatibility: a client built from Envoy's own generated API (the `envoy-types` crate)
 //! calls rlsd and reads every field rlsd promises.
 
-mod common;
+use crate::common;
 
 use common::{T0, TestServer};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{

@@ -2,7 +2,7 @@
 //! takes its settings from envoyproxy/ratelimit's environment variables, as a Deployment written
 //! for that image sets them.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Stdio;

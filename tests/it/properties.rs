@@ -1,7 +1,7 @@
 //! Properties over thousands of generated inputs: store keys are injective and brace-free,
 //! planning and validation never panic, and config loading reports every error at a position.
 
-mod common;
+use crate::common;
 
 use std::cell::Cell;
 use std::num::NonZeroU32;
@@ -80,8 +80,8 @@ descriptors:
         algorithm: sliding_window_counter
 "#;
 
-const THREE_LAYER: &str = include_str!("../examples/three-layer.yaml");
-const ALGORITHMS: &str = include_str!("../examples/algorithms.yaml");
+const THREE_LAYER: &str = include_str!("../../examples/three-layer.yaml");
+const ALGORITHMS: &str = include_str!("../../examples/algorithms.yaml");
 
 /// The keys and values the configs above match on, so generated requests often hit limits.
 const KEYS: &[&str] = &[

@@ -1,7 +1,7 @@
 //! Config over xDS: the rlsd binary against a real ADS management server (tonic, our own
 //! protos), with traffic over real gRPC: first push, update, a refused push, a server restart.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::pin::Pin;

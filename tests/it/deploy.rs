@@ -117,10 +117,10 @@ fn kind_of(relative: &str) -> Kind {
             return Kind::Kubernetes;
         }
         panic!(
-            "{relative}: YAML that is neither an Envoy bootstrap, a Prometheus config nor Kubernetes objects; teach tests/deploy.rs about it"
+            "{relative}: YAML that is neither an Envoy bootstrap, a Prometheus config nor Kubernetes objects; teach tests/it/deploy.rs about it"
         );
     }
-    panic!("{relative}: unknown kind of file; teach tests/deploy.rs to check it");
+    panic!("{relative}: unknown kind of file; teach tests/it/deploy.rs to check it");
 }
 
 #[test]
@@ -1013,7 +1013,7 @@ fn http_filter(f: &HttpFilterY) -> (hcm::HttpFilter, Option<rl_filter::RateLimit
             );
             (any(&c.type_url, &Router::default()), None)
         }
-        other => panic!("HTTP filter {other} is not modelled by tests/deploy.rs"),
+        other => panic!("HTTP filter {other} is not modelled by tests/it/deploy.rs"),
     };
     let filter = hcm::HttpFilter {
         name: f.name.clone(),
@@ -1369,7 +1369,7 @@ fn envoy_descriptors(rl: &EnvoyRateLimiting, request: &Sample<'_>) -> Vec<Vec<(S
                     };
                     (key, g.descriptor_value.clone())
                 }
-                other => panic!("action {other:?} is not modelled by tests/deploy.rs"),
+                other => panic!("action {other:?} is not modelled by tests/it/deploy.rs"),
             };
             entries.push(pair);
         }
@@ -3020,8 +3020,7 @@ fn check_dashboard_shape(file: &str, d: &Value) {
 
 // === A real rlsd =================================================================================
 
-#[path = "common/process.rs"]
-mod process;
+use crate::common::process;
 
 use process::Rlsd;
 

@@ -1,7 +1,7 @@
 //! Operations over real sockets: exact metrics, health that follows the store and the drain,
 //! and calls in flight at shutdown.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
