@@ -35,13 +35,8 @@ use rlsd::config::{self, Config};
 use rlsd::engine::{self, Descriptor, KeySettings, Request};
 use rlsd::store::{MemoryStore, Store, request_allowed};
 
-#[path = "support/counting_alloc.rs"]
-mod counting_alloc;
-#[path = "support/ready.rs"]
-mod ready;
-
-use counting_alloc::CountingAlloc;
-use ready::ready;
+use rlsd_testkit::counting_alloc::{self, CountingAlloc};
+use rlsd_testkit::ready::ready;
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;

@@ -14,7 +14,7 @@
 //! - `redis-1`: the same with one EVALSHA per request (`max_batch` 1).
 //!
 //! Every server uses default `ServiceSettings` (so `x-ratelimit-*` headers are on) and the config
-//! of `support/workload.rs`: limits so high that every request is allowed, on
+//! of `rlsd_testkit::workload`: limits so high that every request is allowed, on
 //! `RLSD_BENCH_ALGORITHM` (gcra), requests of 1, 3 (three layers) or 10 descriptors
 //! (`RLSD_BENCH_SHAPES`, default `1,3,10`) over 1000 distinct clients. `RLSD_BENCH_REDIS=0`
 //! leaves Redis out. `RLSD_BENCH_EXTRA=1` adds diagnostic servers: `canned` replays rlsd's own
@@ -46,7 +46,7 @@
 //!    0's), so this phase's ceiling is `redis-benchmark` on client 0's keys. h2load sees only
 //!    HTTP status, so rlsd's answers are checked against its own counters: one hit counted
 //!    per descriptor of every answered request, no over-limit, failure-mode or invalid answer;
-//! 3. raw: the peak again, driven by the bench's lean client (`support/rawh2.rs`: HTTP/2 by
+//! 3. raw: the peak again, driven by the bench's lean client (`rlsd_testkit::rawh2`: HTTP/2 by
 //!    hand, one thread, non-blocking sockets, every answer decoded and checked) with the same
 //!    connections and streams, cycling through all 1000 clients like the tonic client. It
 //!    costs a fifth of the tonic client's CPU per request, so its ceiling is the ordinary one;
@@ -112,17 +112,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-#[path = "support/h2load.rs"]
-mod h2load;
-#[path = "support/rawh2.rs"]
-mod rawh2;
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/stalls.rs"]
-mod stalls;
-#[path = "support/workload.rs"]
-mod workload;
-
 use arc_swap::ArcSwap;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -130,7 +119,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use redis_server::Redis;
 use rlsd::config::Config;
 use rlsd::metrics::Metrics;
 use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
@@ -142,12 +130,14 @@ use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
 use rlsd::telemetry::{OtlpProtocol, Telemetry, TracingSettings};
+use rlsd_testkit::redis::{RedisServer, evalsha_calls};
+use rlsd_testkit::workload::{self, Shape};
+use rlsd_testkit::{h2load, rawh2, stalls};
 use tokio::net::TcpListener;
 use tokio::runtime::{Handle, Runtime};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status};
-use workload::Shape;
 
 /// The binary's allocator, so the servers here run as `rlsd serve` does.
 #[global_allocator]
@@ -573,7 +563,7 @@ fn sample_evalsha_calls(port: u16) {
         .name("evalsha-sampler".to_owned())
         .spawn(move || {
             loop {
-                let calls = redis_server::evalsha_calls(port).map_or(f64::NAN, |n| n as f64);
+                let calls = evalsha_calls(port).map_or(f64::NAN, |n| n as f64);
                 EVALSHA_CALLS.store(calls.to_bits(), Ordering::Relaxed);
                 std::thread::sleep(EVALSHA_SAMPLE);
             }
@@ -943,7 +933,7 @@ enum CeilingKeys {
 }
 
 fn redis_benchmark(
-    redis: &Redis,
+    redis: &RedisServer,
     (shape, requests_per_call): (Shape, usize),
     algorithm: &str,
     seconds: Duration,
@@ -1258,7 +1248,7 @@ fn lean_load(
     }
 }
 
-/// One run of the lean client (`support/rawh2.rs`) on `addr`, on a thread of its own named as
+/// One run of the lean client (`rlsd_testkit::rawh2`) on `addr`, on a thread of its own named as
 /// a client thread (so its CPU is the client's), sending `pool` in turn.
 fn raw_phase(addr: SocketAddr, pool: &[RateLimitRequest], load: rawh2::Load) -> Phase {
     let bodies: Vec<Vec<u8>> = pool.iter().map(h2load::grpc_body).collect();
@@ -1355,7 +1345,7 @@ enum Driver {
     Tonic,
     /// nghttp2's h2load (C), one fixed body per shape.
     H2load,
-    /// The lean hand-written HTTP/2 client of `support/rawh2.rs`.
+    /// The lean hand-written HTTP/2 client of `rlsd_testkit::rawh2`.
     Raw,
 }
 
@@ -1427,7 +1417,7 @@ struct PeakRounds {
 fn peak_rounds(
     driver: Driver,
     (shapes, servers): (&[Shape], usize),
-    redis: Option<&Redis>,
+    redis: Option<&RedisServer>,
     opts: &Opts,
     mut drive: impl FnMut(usize, usize) -> Phase,
 ) -> PeakRounds {
@@ -1514,7 +1504,7 @@ fn main() {
             "note: redis-server is not installed: the Redis store and its ceiling are skipped"
         );
     }
-    let redis = (opts.redis && redis_installed).then(Redis::start);
+    let redis = (opts.redis && redis_installed).then(|| RedisServer::start_for_bench(&[]));
     if let Some(redis) = &redis {
         let _ = REDIS_PID.set((redis.pid(), redis.port));
         sample_evalsha_calls(redis.port);

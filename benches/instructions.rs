@@ -4,7 +4,7 @@
 //! protobuf `RateLimitRequest`, `RateLimiter::decide` (validate, match, build keys, decide on an
 //! in-process `MemoryStore`, record metrics, assemble statuses and `x-ratelimit-*` headers), and
 //! encode the `RateLimitResponse` with the service's codec (`rlsd::codec`). Shapes: 1, 3 (three layers) and 10 descriptors per request
-//! (`support/workload.rs`), over 1000 distinct clients whose keys already exist, fixed-window
+//! (`rlsd_testkit::workload`), over 1000 distinct clients whose keys already exist, fixed-window
 //! limits that never fill, on a clock that does not move.
 //!
 //! The Redis rows run the same path on the Redis store (coalescing on, one request at a time on a
@@ -38,20 +38,10 @@ use rlsd::pb::RateLimitRequest;
 use rlsd::service::{RateLimiter, ServiceSettings};
 use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore};
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "support/workload.rs"]
-mod workload;
-
-use workload::Shape;
-
-#[path = "support/counting_alloc.rs"]
-mod counting_alloc;
-#[path = "support/ready.rs"]
-mod ready;
-
-use counting_alloc::CountingAlloc;
-use ready::ready;
+use rlsd_testkit::counting_alloc::{self, CountingAlloc};
+use rlsd_testkit::ready::ready;
+use rlsd_testkit::redis::RedisServer;
+use rlsd_testkit::workload::{self, Shape};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -90,7 +80,7 @@ enum Rig {
         limiter: RateLimiter<RedisStore>,
         wire: Vec<Vec<u8>>,
         runtime: tokio::runtime::Runtime,
-        _redis: redis_server::Redis,
+        _redis: Box<RedisServer>,
     },
 }
 
@@ -109,7 +99,7 @@ impl Rig {
                 Rig::Memory { limiter, wire }
             }
             Backend::Redis => {
-                let redis = redis_server::Redis::start();
+                let redis = RedisServer::start_for_bench(&[]);
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -125,7 +115,7 @@ impl Rig {
                     limiter,
                     wire,
                     runtime,
-                    _redis: redis,
+                    _redis: Box::new(redis),
                 }
             }
         };
@@ -210,7 +200,7 @@ fn redis_side_total(
         std::process::id()
     ));
     let log_arg = format!("--log-file={}", log.display());
-    let redis = redis_server::Redis::start_under(&[
+    let redis = RedisServer::start_for_bench(&[
         "valgrind",
         "--tool=callgrind",
         "--callgrind-out-file=/dev/null",

@@ -8,13 +8,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-
-use redis_server::Redis;
 use rlsd::algorithm::{Hits, Params};
 use rlsd::limit::Algorithm;
 use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd_testkit::counting_alloc::{CountingAlloc, count_during};
+use rlsd_testkit::ready::ready;
+use rlsd_testkit::redis::RedisServer;
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -23,33 +22,9 @@ fn env(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Counts live heap bytes, so each store's own memory is measured whatever the allocator reuses.
-struct Counting;
-
-static LIVE_BYTES: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
-#[expect(unsafe_code, reason = "a counting global allocator")]
-unsafe impl std::alloc::GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: same layout, passed through.
-        unsafe { std::alloc::System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
-        LIVE_BYTES.fetch_sub(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: same pointer and layout, passed through.
-        unsafe { std::alloc::System.dealloc(ptr, layout) }
-    }
-}
-
+/// Counts net heap bytes, so each store's own memory is measured whatever the allocator reuses.
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-fn live_bytes() -> isize {
-    LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
-}
+static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 fn check(algorithm: Algorithm, i: usize) -> Check {
     // The shape of a real key: prefix, layer, domain, algorithm, period, one entry.
@@ -75,17 +50,6 @@ fn check(algorithm: Algorithm, i: usize) -> Check {
     }
 }
 
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let waker = std::task::Waker::noop();
-    let mut context = std::task::Context::from_waker(waker);
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-            return value;
-        }
-    }
-}
-
 fn main() {
     let keys = env("RLSD_BENCH_KEYS", 1_000_000);
     let redis_keys = env("RLSD_BENCH_REDIS_KEYS", 100_000);
@@ -100,14 +64,16 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let redis = Redis::start();
+    let redis = RedisServer::start_for_bench(&[]);
     for algorithm in Algorithm::ALL {
-        let before = live_bytes();
-        let store = MemoryStore::new(keys + 1);
-        for i in 0..keys {
-            block_on(store.decide(&[check(algorithm, i)])).expect("decide");
-        }
-        let in_process = (live_bytes() - before) as f64 / keys as f64;
+        let (store, counted) = count_during(|| {
+            let store = MemoryStore::new(keys + 1);
+            for i in 0..keys {
+                ready(store.decide(&[check(algorithm, i)])).expect("decide");
+            }
+            store
+        });
+        let in_process = counted.net_bytes as f64 / keys as f64;
         drop(store);
 
         redis.cli(&["FLUSHALL"]);

@@ -436,7 +436,7 @@ async fn random_sequence<S: Store>(store: &S, clock: &ManualClock, seed: u64) {
 /// the coalescing store relies on, including keys that several requests of a call share.
 #[tokio::test]
 async fn random_batches_in_one_call_match_the_reference() {
-    let redis = common::redis::RedisServer::start();
+    let redis = rlsd_testkit::redis::RedisServer::start();
     let mut connection = ::redis::Client::open(redis.url())
         .and_then(|client| client.get_connection())
         .expect("connect");
@@ -518,18 +518,18 @@ async fn memory_store() -> (MemoryStore<ManualClock>, ManualClock, ()) {
     (MemoryStore::with_clock(10_000, clock.clone()), clock, ())
 }
 
-async fn redis_store() -> (RedisStore, ManualClock, common::redis::RedisServer) {
+async fn redis_store() -> (RedisStore, ManualClock, rlsd_testkit::redis::RedisServer) {
     redis_store_batching(rlsd::store::redis::DEFAULT_MAX_BATCH).await
 }
 
-async fn redis_store_unbatched() -> (RedisStore, ManualClock, common::redis::RedisServer) {
+async fn redis_store_unbatched() -> (RedisStore, ManualClock, rlsd_testkit::redis::RedisServer) {
     redis_store_batching(1).await
 }
 
 async fn redis_store_batching(
     max_batch: usize,
-) -> (RedisStore, ManualClock, common::redis::RedisServer) {
-    let server = common::redis::RedisServer::start();
+) -> (RedisStore, ManualClock, rlsd_testkit::redis::RedisServer) {
+    let server = rlsd_testkit::redis::RedisServer::start();
     let clock = ManualClock::at(T0);
     let mut settings = RedisSettings::new(server.url());
     settings.max_batch = max_batch;
@@ -548,7 +548,7 @@ behaviour_suite!(redis_unbatched, redis_store_unbatched);
 /// scenario on keys of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_passes_the_whole_suite() {
-    let cluster = common::cluster::RedisCluster::start();
+    let cluster = rlsd_testkit::cluster::RedisCluster::start();
     let clock = ManualClock::at(T0);
     let mut settings = rlsd::store::ClusterSettings::new(cluster.urls());
     settings.command_timeout = std::time::Duration::from_secs(2);

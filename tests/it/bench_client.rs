@@ -1,10 +1,10 @@
-//! The bench tool's lean HTTP/2 client (`benches/support/rawh2.rs`) against a real rlsd over
+//! The bench tool's lean HTTP/2 client (`rlsd_testkit::rawh2`) against a real rlsd over
 //! loopback: its figures are only as good as its framing, its answers and its schedule. With
 //! the client's framing, also what rlsd's answers look like on the wire.
 
 use crate::common;
 
-use crate::{h2load, rawh2};
+use rlsd_testkit::{h2load, rawh2};
 
 use std::time::Duration;
 
@@ -217,7 +217,7 @@ async fn an_answer_leaves_in_one_write() {
     server.stop().await;
 }
 
-use crate::stalls;
+use rlsd_testkit::stalls;
 
 /// The stall probe counts the time a CPU runs something else: with a second busy thread on
 /// one of its CPUs, the scheduler takes about half of that CPU away, in slices far above 50 µs.

@@ -183,7 +183,7 @@ fn http_get(address: SocketAddr, path: &str) -> Option<String> {
 }
 
 use crate::common::process;
-use crate::common::redis as redis_server;
+use rlsd_testkit::redis::RedisServer;
 
 use process::Rlsd;
 
@@ -239,7 +239,7 @@ fn serve_turns_transparent_huge_pages_off_unless_asked_to_keep_them() {
 
 #[test]
 fn serve_with_redis_url_loads_the_script_at_start() {
-    let redis = redis_server::RedisServer::start();
+    let redis = RedisServer::start();
     let url = redis.url();
     let mut rlsd = Rlsd::serve([
         "--config",
@@ -262,7 +262,7 @@ fn serve_with_redis_url_loads_the_script_at_start() {
 
 fn script_sha() -> String {
     // redis-cli computes nothing for us; ask a scratch redis for the SHA of the embedded script.
-    let scratch = redis_server::RedisServer::start();
+    let scratch = RedisServer::start();
     scratch
         .cli(&["SCRIPT", "LOAD", include_str!("../../lua/ratelimit.lua")])
         .expect("load")

@@ -6,7 +6,6 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::cluster::RedisCluster;
 use common::{allowed_of, descriptor, request, spawn_server_with};
 use rlsd::engine::KeySettings;
 use rlsd::pb::RateLimitServiceClient;
@@ -14,6 +13,7 @@ use rlsd::pb::rate_limit_response::Code;
 use rlsd::server::ServeOptions;
 use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
 use rlsd::store::{ClusterSettings, ClusterStore};
+use rlsd_testkit::cluster::RedisCluster;
 use tonic::transport::Channel;
 
 const CONFIG: &str = r#"

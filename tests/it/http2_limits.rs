@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use crate::{h2load, rawh2};
+use rlsd_testkit::{h2load, rawh2};
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -2,13 +2,6 @@
 //! binary or the library over real gRPC, HTTP and Redis (servers it starts itself).
 
 mod common;
-// The bench tool's own HTTP/2 client and probes, tested here against a real rlsd.
-#[path = "../../benches/support/h2load.rs"]
-mod h2load;
-#[path = "../../benches/support/rawh2.rs"]
-mod rawh2;
-#[path = "../../benches/support/stalls.rs"]
-mod stalls;
 
 mod bad_input;
 mod behaviour;

@@ -6,7 +6,6 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
 use common::{T0, descriptor, http_get, request, spawn_server_with};
 use rlsd::clock::ManualClock;
 use rlsd::engine::KeySettings;
@@ -15,6 +14,7 @@ use rlsd::pb::rate_limit_response::Code;
 use rlsd::server::ServeOptions;
 use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore};
+use rlsd_testkit::redis::RedisServer;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 

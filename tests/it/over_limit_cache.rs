@@ -284,7 +284,7 @@ async fn the_cache_answers_exactly_what_the_store_would() {
 /// store answers without one (which the behaviour suite proves Redis does too).
 #[tokio::test]
 async fn redis_behind_the_cache_answers_what_the_store_would() {
-    let redis = common::redis::RedisServer::start();
+    let redis = rlsd_testkit::redis::RedisServer::start();
     let clock = ManualClock::at(T0);
     let mut settings = RedisSettings::new(redis.url());
     settings.fixed_clock = Some(Arc::new(clock.clone()));

@@ -9,10 +9,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::process::{Rlsd, command_at};
-use common::redis::RedisServer;
 use common::{descriptor, request};
 use rlsd::pb::RateLimitServiceClient;
 use rlsd::pb::rate_limit_response::Code;
+use rlsd_testkit::redis::RedisServer;
 
 /// A directory with the binary linked as `bin/ratelimit`, and `config` written as
 /// envoyproxy/ratelimit finds it: `data/ratelimit/config/` (RUNTIME_ROOT=data,

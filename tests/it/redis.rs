@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::redis::RedisServer;
 use common::{allowed_of, descriptor, request, spawn_server};
 use rlsd::engine::KeySettings;
 use rlsd::limit::Algorithm;
@@ -15,6 +14,7 @@ use rlsd::pb::RateLimitServiceClient;
 use rlsd::pb::rate_limit_response::Code;
 use rlsd::service::{FailureMode, HeaderStyle, ServiceSettings};
 use rlsd::store::{RedisSettings, RedisStore};
+use rlsd_testkit::redis::RedisServer;
 use tonic::transport::Channel;
 
 const EXACT: &str = r#"

@@ -1,14 +1,12 @@
 //! The Redis store through Redis Sentinel: decides on the master, and follows a failover.
 
-use crate::common;
-
 use std::time::{Duration, Instant};
 
-use common::sentinel::{MASTER_NAME, RedisSentinel};
 use rlsd::algorithm::{Hits, Params};
 use rlsd::limit::Algorithm;
 use rlsd::store::redis::SentinelTarget;
 use rlsd::store::{Check, RedisSettings, RedisStore, Store};
+use rlsd_testkit::sentinel::{MASTER_NAME, RedisSentinel};
 
 fn check() -> Check {
     Check {

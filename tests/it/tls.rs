@@ -11,9 +11,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::cluster::{ClusterTls, RedisCluster};
 use common::pki::{Issued, Leaf, Pki};
-use common::redis::{RedisServer, RedisTls};
 use common::{descriptor, request, spawn_server_with};
 use rlsd::algorithm::{Hits, Params};
 use rlsd::limit::Algorithm;
@@ -26,6 +24,8 @@ use rlsd::store::{
     Store, StoreError,
 };
 use rlsd::tls::{TlsError, TlsFiles, TlsReload, TlsSettings};
+use rlsd_testkit::cluster::{ClusterTls, RedisCluster};
+use rlsd_testkit::redis::{RedisServer, RedisTls};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;

@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::process::{Rlsd, command_at};
-use common::redis::RedisServer;
 use common::{descriptor, request};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -22,6 +21,7 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use prost::Message as _;
 use rlsd::pb::RateLimitServiceClient;
+use rlsd_testkit::redis::RedisServer;
 use tonic::transport::Channel;
 
 const WAIT: Duration = Duration::from_secs(20);

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use common::pki::{Leaf, Pki};
 use common::process::{Rlsd, command_at};
-use common::redis::{RedisServer, RedisTls};
 use common::{descriptor, http_get, request};
 use prost::Message as _;
 use rlsd::pb::RateLimitServiceClient;
@@ -22,6 +21,7 @@ use rlsd::pb::ratelimit::config::ratelimit::v3::{
     RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
 };
 use rlsd::xds::TYPE_URL;
+use rlsd_testkit::redis::{RedisServer, RedisTls};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;

@@ -1,11 +1,8 @@
 //! Starts a real rlsd server (and, for Redis tests, a real redis-server) on loopback ports.
 #![allow(dead_code)]
 
-pub mod cluster;
 pub mod pki;
 pub mod process;
-pub mod redis;
-pub mod sentinel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

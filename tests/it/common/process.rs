@@ -1,7 +1,5 @@
 //! The `rlsd` binary as a child process, on ports it binds itself (port 0) and reports in its
 //! log, so that tests never race each other for a "free" port.
-// Some test crates include this file on its own (`#[path]`) and use only part of it.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -1,6 +1,5 @@
 //! The requests the gRPC-level benches send: 1, 3 (three layers) or 10 descriptors per request,
 //! over a pool of distinct clients, against one config whose limits never fill.
-#![allow(dead_code)]
 
 use rlsd::pb::rate_limit_descriptor::Entry;
 use rlsd::pb::{RateLimitDescriptor, RateLimitRequest};

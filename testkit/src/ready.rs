@@ -1,5 +1,4 @@
 //! Driving futures that never wait (the in-process store's) without an executor.
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::pin::pin;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 /// The cluster's redis-server processes.
 pub struct RedisCluster {
+    /// Every node's port, masters and replicas.
     pub ports: Vec<u16>,
     children: Vec<Option<Child>>,
     dir: tempfile::TempDir,
@@ -15,13 +16,16 @@ pub struct RedisCluster {
 
 /// TLS on every node's port and on the cluster bus, with a certificate for 127.0.0.1.
 pub struct ClusterTls {
+    /// The server certificate (for 127.0.0.1).
     pub cert: std::path::PathBuf,
+    /// Its private key.
     pub key: std::path::PathBuf,
     /// The CA that signed it, which redis-cli and rlsd trust.
     pub ca: std::path::PathBuf,
     /// A client certificate and key from the same CA, which a node presents on the cluster bus
     /// and to its master (those connections are mutual TLS).
     pub client_cert: std::path::PathBuf,
+    /// The client certificate's key.
     pub client_key: std::path::PathBuf,
 }
 
@@ -96,7 +100,7 @@ impl RedisCluster {
         let mut command = Command::new("redis-server");
         match &self.tls {
             None => command.args(["--port", &port.to_string()]),
-            Some(tls) => super::redis::tls_only(&mut command, port, &tls.cert, &tls.key, &tls.ca)
+            Some(tls) => crate::redis::tls_only(&mut command, port, &tls.cert, &tls.key, &tls.ca)
                 .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
                 .arg("--tls-client-cert-file")
                 .arg(&tls.client_cert)
@@ -206,17 +210,7 @@ impl RedisCluster {
 
     /// Runs redis-cli against one node; its trimmed stdout, if it ran.
     pub fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
-        let mut command = Command::new("redis-cli");
-        self.tls_args(&mut command);
-        let output = command
-            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-            .args(args)
-            .output()
-            .ok()?;
-        output
-            .status
-            .success()
-            .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+        crate::redis::redis_cli(port, args, |command| self.tls_args(command))
     }
 }
 

@@ -18,7 +18,6 @@
 //! an error status as trailers only). That assumes a server never sends a message and then a
 //! non-zero `grpc-status` in the trailers, which a unary tonic service does not do. Any GOAWAY
 //! ends the run with an error, graceful or not: a bench server never shuts down mid-phase.
-#![allow(dead_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -33,23 +32,35 @@ use rlsd::pb::RateLimitResponse;
 
 /// The gRPC method every request calls.
 const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// The client connection preface (RFC 9113 §3.4).
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
+/// Frame type DATA.
 pub const DATA: u8 = 0x0;
+/// Frame type HEADERS.
 pub const HEADERS: u8 = 0x1;
+/// Frame type RST_STREAM.
 pub const RST_STREAM: u8 = 0x3;
+/// Frame type SETTINGS.
 pub const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
+/// Frame type GOAWAY.
 pub const GOAWAY: u8 = 0x7;
+/// Frame type WINDOW_UPDATE.
 pub const WINDOW_UPDATE: u8 = 0x8;
 
+/// Flag END_STREAM (DATA, HEADERS).
 pub const END_STREAM: u8 = 0x1;
+/// Flag ACK (SETTINGS, PING).
 pub const ACK: u8 = 0x1;
+/// Flag END_HEADERS (HEADERS).
 pub const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 
 const SETTINGS_ENABLE_PUSH: u16 = 0x2;
+/// SETTINGS parameter: the peer's limit on open streams.
 pub const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+/// SETTINGS parameter: each new stream's flow-control window.
 pub const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
 
 /// The largest flow-control window HTTP/2 allows.
@@ -96,8 +107,9 @@ pub struct Done {
 
 /// What a run saw besides the answers.
 pub struct Run<T> {
-    /// `snapshot()` when measuring began and when it ended.
+    /// `snapshot()` when measuring began.
     pub begin: T,
+    /// `snapshot()` when measuring ended.
     pub end: T,
     /// Requests scheduled in the measured time but never answered.
     pub unanswered: usize,
@@ -155,6 +167,7 @@ pub fn take_frame(pending: &mut Vec<u8>) -> Option<(u8, u8, u32, Vec<u8>)> {
     Some((kind, flags, stream, payload))
 }
 
+/// Appends a frame header (length, type, flags, stream) to `out`.
 pub fn frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
     let len = u32::try_from(len).expect("a frame under 16 MiB");
     out.extend_from_slice(&len.to_be_bytes()[1..]);

@@ -1,6 +1,5 @@
 //! A private Redis with one replica and three Sentinels on free loopback ports.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -9,32 +8,20 @@ pub const MASTER_NAME: &str = "rlsdmaster";
 
 /// Master, replica and Sentinel processes; killed when dropped.
 pub struct RedisSentinel {
+    /// The master's port (until a failover).
     pub master: u16,
+    /// The replica's port.
     pub replica: u16,
+    /// Each Sentinel's port.
     pub sentinels: Vec<u16>,
     children: Vec<(u16, Child)>,
     dir: tempfile::TempDir,
 }
 
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().expect("addr").port())
-        .collect()
-}
+use crate::redis::free_ports;
 
 fn cli(port: u16, args: &[&str]) -> Option<String> {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(args)
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    crate::redis::redis_cli(port, args, |_| {})
 }
 
 fn wait(what: &str, mut done: impl FnMut() -> bool) {

@@ -8,7 +8,6 @@
 //!
 //! h2load only sees HTTP status, never `grpc-status`, so the caller checks the answers some
 //! other way (the bench reads the server's own counters).
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;
