@@ -34,6 +34,7 @@
 //!   table and a picture.
 //! - [`store`]: where counters live (in process, Redis, Redis Cluster); each decides every check
 //!   of one request atomically, all or nothing.
+//! - [`svg`]: hand-written SVG shared by `simulate`'s picture and the bench plots.
 //! - [`telemetry`]: OpenTelemetry tracing: a server span per `ShouldRateLimit`, under the trace
 //!   context Envoy sends, exported over OTLP.
 //! - [`tls`]: TLS and mutual TLS on the gRPC port, with certificates reloaded when their files
@@ -59,6 +60,7 @@ pub mod server;
 pub mod service;
 pub mod simulate;
 pub mod store;
+pub mod svg;
 pub mod telemetry;
 pub mod tls;
 pub mod xds;

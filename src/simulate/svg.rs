@@ -8,6 +8,7 @@ use std::fmt::Write;
 
 use super::traffic::format_duration;
 use super::{Report, Run, stats};
+use crate::svg::{self, BLUE, GREEN, GRID, INK, MUTED, RED, Swatch, escape};
 
 const WIDTH: f64 = 960.0;
 const LEFT: f64 = 72.0;
@@ -25,12 +26,6 @@ const BARS_MID: f64 = 164.0;
 const BAR_H: f64 = 30.0;
 const TICK_LABELS: f64 = 208.0;
 
-const GREEN: &str = "#2e9d4a";
-const RED: &str = "#d64541";
-const BLUE: &str = "#3866c4";
-const INK: &str = "#222";
-const MUTED: &str = "#666";
-const GRID: &str = "#e6e6e6";
 const BOUNDARY: &str = "#a8a8a8";
 
 /// Aim for about this many bars and tick labels across the plot.
@@ -78,16 +73,7 @@ pub fn render(report: &Report) -> String {
     let scales = Scales::of(report);
     let height = HEADER + PANEL * report.runs.len() as f64 + FOOTER;
     let mut out = String::with_capacity(64 * 1024);
-    let _ = writeln!(out, r#"<?xml version="1.0" encoding="UTF-8"?>"#);
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="Helvetica, Arial, sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(out, "<title>{}</title>", escape(&report.title()));
-    let _ = writeln!(
-        out,
-        r##"<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>"##
-    );
+    svg::open(&mut out, WIDTH, height, 11, &report.title());
     header(&mut out, report, &scales);
     for (index, run) in report.runs.iter().enumerate() {
         panel(
@@ -210,11 +196,9 @@ fn header(out: &mut String, report: &Report, scales: &Scales) {
         report.times_us.len(),
         format_duration(report.duration_us)
     );
-    // Legend.
-    let y = 86.0;
     let mut entries = vec![
         (
-            Swatch::Area,
+            Swatch::Area(BLUE),
             format!(
                 "admitted in the trailing {}",
                 format_duration(scales.window_us)
@@ -231,54 +215,10 @@ fn header(out: &mut String, report: &Report, scales: &Scales) {
         ),
     ];
     if boundaries_drawn(scales) {
-        entries.push((Swatch::Boundary, "window boundary".to_owned()));
+        entries.push((Swatch::Boundary(BOUNDARY), "window boundary".to_owned()));
     }
-    let mut x = LEFT;
-    for (swatch, label) in entries {
-        let _ = match swatch {
-            Swatch::Area => writeln!(
-                out,
-                r#"<rect x="{x:.1}" y="{:.1}" width="14" height="10" fill="{BLUE}" fill-opacity="0.25" stroke="{BLUE}"/>"#,
-                y - 9.0
-            ),
-            Swatch::Box(colour) => writeln!(
-                out,
-                r#"<rect x="{x:.1}" y="{:.1}" width="14" height="10" fill="{colour}"/>"#,
-                y - 9.0
-            ),
-            Swatch::Dashed(colour) => writeln!(
-                out,
-                r#"<line x1="{x:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{colour}" stroke-dasharray="4 3"/>"#,
-                y - 4.0,
-                x + 14.0,
-                y - 4.0
-            ),
-            Swatch::Boundary => writeln!(
-                out,
-                r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{BOUNDARY}" stroke-dasharray="2 2"/>"#,
-                x + 7.0,
-                y - 10.0,
-                x + 7.0,
-                y + 1.0
-            ),
-        };
-        let _ = writeln!(
-            out,
-            r#"<text x="{:.1}" y="{y}" fill="{INK}">{}</text>"#,
-            x + 20.0,
-            escape(&label)
-        );
-        // Roughly the label's width at 11px, plus the swatch and a gap.
-        x += 34.0 + label.len() as f64 * 5.8;
-    }
-}
-
-/// How a legend entry is drawn.
-enum Swatch {
-    Area,
-    Box(&'static str),
-    Dashed(&'static str),
-    Boundary,
+    // Labels at 11 px.
+    svg::legend(out, LEFT, 86.0, 5.8, &entries);
 }
 
 fn boundaries_drawn(scales: &Scales) -> bool {
@@ -497,36 +437,9 @@ fn tick_label(t: u64, step_us: u64) -> String {
     }
 }
 
-/// Escapes text for XML content and attribute values.
-pub fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            // Control characters are not allowed in XML 1.0 at all.
-            c if c.is_control() && !matches!(c, '\t' | '\n' | '\r') => out.push('?'),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn escape_makes_text_safe_for_xml() {
-        assert_eq!(
-            escape(r#"a<b & "c" 'd'>"#),
-            "a&lt;b &amp; &quot;c&quot; &apos;d&apos;&gt;"
-        );
-        assert_eq!(escape("bell\u{7}"), "bell?");
-    }
 
     #[test]
     fn steps_are_round() {

@@ -1,0 +1,251 @@
+//! The servers the bench drives: the baseline, rlsd on each store, diagnostics.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use rlsd::config::Config;
+use rlsd::metrics::Metrics;
+use rlsd::pb::rate_limit_response::{Code, DescriptorStatus};
+use rlsd::pb::{
+    RateLimitRequest, RateLimitResponse, RateLimitService, RateLimitServiceClient,
+    RateLimitServiceServer,
+};
+use rlsd::server::{self, Listeners, ServeOptions};
+use rlsd::service::{RateLimiter, ServiceSettings};
+use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd_testkit::rawh2;
+use rlsd_testkit::workload::{self, Shape};
+use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Response, Status};
+
+use crate::CLIENTS;
+use crate::phases::runtime;
+
+pub(crate) type Client = RateLimitServiceClient<Channel>;
+
+/// The do-nothing server: one OK per descriptor, nothing else.
+pub(crate) struct Baseline;
+
+#[tonic::async_trait]
+impl RateLimitService for Baseline {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let statuses = vec![
+            DescriptorStatus {
+                code: Code::Ok.into(),
+                ..Default::default()
+            };
+            request.get_ref().descriptors.len()
+        ];
+        Ok(Response::new(RateLimitResponse {
+            overall_code: Code::Ok.into(),
+            statuses,
+            ..Default::default()
+        }))
+    }
+}
+
+pub(crate) fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+pub(crate) type Limiter = RateLimiter<MemoryStore>;
+
+/// The bench config, shared by every rlsd server of the run.
+pub(crate) fn bench_config(algorithm: &str) -> Arc<ArcSwap<Config>> {
+    Arc::new(ArcSwap::from_pointee(workload::config(algorithm)))
+}
+
+/// rlsd's service on the bench config and a system-clock `MemoryStore`.
+pub(crate) fn limiter_with(
+    algorithm: &str,
+    settings: ServiceSettings,
+) -> (Limiter, Arc<ArcSwap<Config>>) {
+    let config = bench_config(algorithm);
+    let store = Arc::new(MemoryStore::new(rlsd::store::memory::DEFAULT_MAX_KEYS));
+    let limiter = RateLimiter::new(Arc::clone(&config), store, settings);
+    (limiter, config)
+}
+
+/// A server's gRPC address, and its counters when it is rlsd.
+pub(crate) type Served = (SocketAddr, Option<Arc<Metrics>>);
+
+/// Starts `limiter` under `server::run_with` (as the binary does) on the current runtime, its
+/// connections served on `lanes` of its own (0: on this runtime); returns its gRPC address and
+/// counters.
+pub(crate) async fn start_server<S: Store>(
+    limiter: RateLimiter<S>,
+    config: Arc<ArcSwap<Config>>,
+    lanes: usize,
+) -> Served {
+    let metrics = limiter.metrics();
+    let listeners = Listeners::bind(loopback(), loopback())
+        .await
+        .expect("bind rlsd");
+    let addr = listeners.grpc.local_addr().expect("rlsd address");
+    let listeners = if rawh2::unix_enabled() {
+        listeners
+            .with_grpc_unix(&rawh2::unix_path(addr), server::DEFAULT_SOCKET_MODE)
+            .expect("bind rlsd's unix socket")
+    } else {
+        listeners
+    };
+    tokio::spawn(async move {
+        let options = ServeOptions {
+            lanes,
+            ..ServeOptions::default()
+        };
+        server::run_with(limiter, config, listeners, options, std::future::pending())
+            .await
+            .expect("rlsd serves");
+    });
+    (addr, Some(metrics))
+}
+
+/// rlsd on the Redis store at `port`: `max_batch` 1 is one EVALSHA per request.
+pub(crate) async fn start_redis_rlsd(
+    algorithm: &str,
+    port: u16,
+    max_batch: usize,
+    pipelines: usize,
+    lanes: usize,
+) -> Served {
+    let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{port}"));
+    settings.command_timeout = Duration::from_secs(1);
+    settings.max_batch = max_batch;
+    settings.pipelines = pipelines;
+    settings.lanes = lanes;
+    let store = Arc::new(
+        RedisStore::connect(settings)
+            .await
+            .expect("connect to redis"),
+    );
+    let config = bench_config(algorithm);
+    let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
+    start_server(limiter, config, lanes).await
+}
+
+/// Serves `service` with the same tonic settings as `server::run`.
+pub(crate) async fn start_service<T: RateLimitService>(service: T) -> SocketAddr {
+    let listener = TcpListener::bind(loopback()).await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .max_concurrent_streams(Some(server::MAX_CONCURRENT_STREAMS))
+            .add_service(RateLimitServiceServer::new(service))
+            .serve_with_incoming(incoming)
+            .await
+            .expect("server serves");
+    });
+    addr
+}
+
+/// An OTLP/gRPC collector that counts the spans it receives, on a thread of its own so its CPU
+/// is not counted as the server's.
+pub(crate) struct OtlpSink {
+    pub(crate) addr: SocketAddr,
+    pub(crate) spans: Arc<AtomicU64>,
+    pub(crate) _runtime: Runtime,
+}
+
+#[derive(Clone)]
+pub(crate) struct SpanCounter(Arc<AtomicU64>);
+
+#[tonic::async_trait]
+impl TraceService for SpanCounter {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let spans: usize = request
+            .get_ref()
+            .resource_spans
+            .iter()
+            .flat_map(|resource| &resource.scope_spans)
+            .map(|scope| scope.spans.len())
+            .sum();
+        self.0.fetch_add(spans as u64, Ordering::Relaxed);
+        Ok(Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl OtlpSink {
+    pub(crate) fn start() -> OtlpSink {
+        let runtime = runtime(1, "otlp-sink");
+        let listener = runtime
+            .block_on(TcpListener::bind(loopback()))
+            .expect("bind the OTLP sink");
+        let addr = listener.local_addr().expect("sink address");
+        let spans = Arc::new(AtomicU64::new(0));
+        let counter = SpanCounter(Arc::clone(&spans));
+        runtime.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(counter))
+                .serve_with_incoming(TcpIncoming::from(listener))
+                .await
+                .expect("the OTLP sink serves");
+        });
+        OtlpSink {
+            addr,
+            spans,
+            _runtime: runtime,
+        }
+    }
+}
+
+/// Replays fixed answers: rlsd's, captured at start, so the bytes on the wire are the same.
+pub(crate) struct Canned {
+    /// rlsd's answer by descriptors per request.
+    pub(crate) answers: Vec<(usize, RateLimitResponse)>,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Canned {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let descriptors = request.get_ref().descriptors.len();
+        self.answers
+            .iter()
+            .find(|(n, _)| *n == descriptors)
+            .map(|(_, answer)| Response::new(answer.clone()))
+            .ok_or_else(|| Status::invalid_argument("no canned answer for this shape"))
+    }
+}
+
+/// `count` clients, each on its own HTTP/2 connection.
+pub(crate) async fn connect(addr: SocketAddr, count: usize) -> Vec<Client> {
+    let mut clients = Vec::with_capacity(count);
+    for _ in 0..count {
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .expect("connect");
+        clients.push(RateLimitServiceClient::new(channel));
+    }
+    clients
+}
+
+/// The requests of `CLIENTS` distinct clients in `shape`.
+pub(crate) fn pool(shape: Shape) -> Arc<Vec<RateLimitRequest>> {
+    Arc::new(shape.requests(CLIENTS))
+}
