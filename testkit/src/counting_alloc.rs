@@ -63,7 +63,8 @@ pub struct Counted {
     pub net_bytes: i64,
 }
 
-/// Counts what `work` allocates (only with [`CountingAlloc`] as the global allocator).
+/// Counts what is allocated while `work` runs, on every thread (only with [`CountingAlloc`] as
+/// the global allocator).
 pub fn count_during<R>(work: impl FnOnce() -> R) -> (R, Counted) {
     ALLOCS.store(0, Ordering::Relaxed);
     NET_BYTES.store(0, Ordering::Relaxed);
