@@ -13,7 +13,6 @@
 //!   process, and every gRPC health service a probe names must answer SERVING there.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -33,10 +32,12 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
 use envoy_types::pb::google::protobuf as wkt;
 use prost::{Message, Name};
-use rlsd::config::{Level, Node};
+use rlsd::config::{Domain, Level, Node};
 use serde::Deserialize;
-use serde::de::value::{Error as DeError, MapDeserializer, SeqDeserializer};
-use serde::de::{self, IntoDeserializer, Visitor};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::common::process::Rlsd;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const EXAMPLE: &str = "examples/three-layer.yaml";
@@ -47,6 +48,10 @@ fn path(relative: &str) -> PathBuf {
 
 fn read(relative: &str) -> String {
     std::fs::read_to_string(path(relative)).unwrap_or_else(|e| panic!("reading {relative}: {e}"))
+}
+
+fn is_yaml(file: &str) -> bool {
+    file.ends_with(".yaml") || file.ends_with(".yml")
 }
 
 // === The files ===================================================================================
@@ -64,30 +69,25 @@ enum Kind {
 
 /// Every file under `deploy/`, relative to the crate root, sorted.
 fn deploy_files() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    fn walk(dir: &Path, out: &mut Vec<String>) {
         for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
             let entry = entry.expect("directory entry");
-            let kind = entry.file_type().expect("file type");
-            if kind.is_dir() {
+            if entry.file_type().expect("file type").is_dir() {
                 walk(&entry.path(), out);
             } else {
-                out.push(entry.path());
+                let relative = entry
+                    .path()
+                    .strip_prefix(ROOT)
+                    .expect("under the crate")
+                    .to_owned();
+                out.push(relative.to_string_lossy().into_owned());
             }
         }
     }
     let mut files = Vec::new();
     walk(&path("deploy"), &mut files);
-    let mut names: Vec<String> = files
-        .iter()
-        .map(|p| {
-            p.strip_prefix(ROOT)
-                .expect("under the crate")
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
-    names.sort();
-    names
+    files.sort();
+    files
 }
 
 fn kind_of(relative: &str) -> Kind {
@@ -95,32 +95,29 @@ fn kind_of(relative: &str) -> Kind {
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or_default();
-    if name == "README.md" {
-        return Kind::Readme;
-    }
-    if name == "Dockerfile" {
-        return Kind::Dockerfile;
-    }
-    if name.ends_with(".json") && relative.starts_with("deploy/grafana/") {
-        return Kind::GrafanaDashboard;
-    }
-    if name.ends_with(".yaml") || name.ends_with(".yml") {
-        let docs = yaml_documents(relative);
-        let has = |key: &str| docs.iter().all(|d| d.get(key).is_some());
-        if has("static_resources") {
-            return Kind::EnvoyBootstrap;
+    match name {
+        "README.md" => Kind::Readme,
+        "Dockerfile" => Kind::Dockerfile,
+        _ if name.ends_with(".json") && relative.starts_with("deploy/grafana/") => {
+            Kind::GrafanaDashboard
         }
-        if has("scrape_configs") {
-            return Kind::PrometheusConfig;
+        _ if is_yaml(name) => {
+            let docs = yaml_documents(relative);
+            let has = |key: &str| docs.iter().all(|d| d.get(key).is_some());
+            if has("static_resources") {
+                Kind::EnvoyBootstrap
+            } else if has("scrape_configs") {
+                Kind::PrometheusConfig
+            } else if has("apiVersion") && has("kind") {
+                Kind::Kubernetes
+            } else {
+                panic!(
+                    "{relative}: YAML that is neither an Envoy bootstrap, a Prometheus config nor Kubernetes objects; teach tests/it/deploy.rs about it"
+                )
+            }
         }
-        if has("apiVersion") && has("kind") {
-            return Kind::Kubernetes;
-        }
-        panic!(
-            "{relative}: YAML that is neither an Envoy bootstrap, a Prometheus config nor Kubernetes objects; teach tests/it/deploy.rs about it"
-        );
+        _ => panic!("{relative}: unknown kind of file; teach tests/it/deploy.rs to check it"),
     }
-    panic!("{relative}: unknown kind of file; teach tests/it/deploy.rs to check it");
 }
 
 #[test]
@@ -142,11 +139,8 @@ fn every_file_in_deploy_is_of_a_known_kind_and_valid() {
             }
             Kind::PrometheusConfig => check_prometheus_config(file),
             Kind::Kubernetes => check_kubernetes_file(file),
-            Kind::GrafanaDashboard => {
-                check_dashboard_shape(file, &dashboard(file));
-            }
+            Kind::GrafanaDashboard => check_dashboard_shape(file, &dashboard(file)),
         }
-        // Every file is documented.
         let short = file.strip_prefix("deploy/").expect("under deploy/");
         if kind != Kind::Readme {
             assert!(
@@ -161,10 +155,7 @@ fn every_file_in_deploy_is_of_a_known_kind_and_valid() {
 fn yaml_has_no_bare_yes_no_on_off() {
     // Kubernetes (YAML 1.1 rules) and Envoy (yaml-cpp) read a bare `off`, `on`, `yes` or `no`
     // as a boolean: `--headers off` would reach rlsd as `false`. They must be quoted.
-    for file in deploy_files() {
-        if !(file.ends_with(".yaml") || file.ends_with(".yml")) {
-            continue;
-        }
+    for file in deploy_files().into_iter().filter(|f| is_yaml(f)) {
         for (n, line) in read(&file).lines().enumerate() {
             let code = line.split(" #").next().unwrap_or_default().trim();
             if code.starts_with('#') {
@@ -192,216 +183,76 @@ fn yaml_has_no_bare_yes_no_on_off() {
     }
 }
 
-// === A YAML/JSON value tree ======================================================================
+// === Parsed YAML and JSON ========================================================================
 
-/// A parsed YAML (or JSON) node, for documents whose shape is open (Kubernetes objects).
-#[derive(Clone, Debug, PartialEq)]
-enum Value {
-    Null,
-    Bool(bool),
-    Int(i64),
-    Float(f64),
-    Str(String),
-    Seq(Vec<Value>),
-    Map(Vec<(String, Value)>),
+/// Dotted-path access into a parsed document (keys with dots need `Value::get`).
+trait Tree {
+    fn find(&self, path: &str) -> Option<&Value>;
+    /// A string, or a number or boolean written as one (a port, a count).
+    fn text(&self) -> Option<String>;
+
+    /// Null when absent.
+    fn at(&self, path: &str) -> &Value {
+        self.find(path).unwrap_or(&Value::Null)
+    }
+    fn str(&self, path: &str) -> Option<&str> {
+        self.at(path).as_str()
+    }
+    fn int(&self, path: &str) -> Option<i64> {
+        self.at(path).as_i64()
+    }
+    fn is(&self, path: &str, value: bool) -> bool {
+        self.at(path).as_bool() == Some(value)
+    }
+    /// Empty when absent.
+    fn seq(&self, path: &str) -> &[Value] {
+        self.at(path).as_array().map_or(&[], Vec::as_slice)
+    }
+    fn texts(&self, path: &str) -> Vec<String> {
+        self.seq(path).iter().filter_map(Value::text).collect()
+    }
 }
 
-impl Value {
-    fn get(&self, key: &str) -> Option<&Value> {
-        match self {
-            Value::Map(entries) => entries.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-
-    /// `a.b.c`: nested map keys (keys with dots need [`Value::get`]).
-    fn at(&self, path: &str) -> Option<&Value> {
+impl Tree for Value {
+    fn find(&self, path: &str) -> Option<&Value> {
         path.split('.').try_fold(self, |v, key| v.get(key))
     }
 
-    fn str(&self) -> Option<&str> {
-        match self {
-            Value::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    fn int(&self) -> Option<i64> {
-        match self {
-            Value::Int(i) => Some(*i),
-            _ => None,
-        }
-    }
-
-    fn seq(&self) -> &[Value] {
-        match self {
-            Value::Seq(items) => items,
-            _ => &[],
-        }
-    }
-
-    fn map(&self) -> &[(String, Value)] {
-        match self {
-            Value::Map(entries) => entries,
-            _ => &[],
-        }
-    }
-
-    /// A string, or a number written as one (a port, a count).
     fn text(&self) -> Option<String> {
         match self {
-            Value::Str(s) => Some(s.clone()),
-            Value::Int(i) => Some(i.to_string()),
-            Value::Float(f) => Some(f.to_string()),
-            Value::Bool(b) => Some(b.to_string()),
+            Value::String(s) => Some(s.clone()),
+            Value::Number(_) | Value::Bool(_) => Some(self.to_string()),
             _ => None,
         }
     }
-
-    /// Decodes this node into a typed mirror (which may reject unknown fields).
-    fn decode<T: de::DeserializeOwned>(&self, what: &str) -> T {
-        T::deserialize(self.clone()).unwrap_or_else(|e| panic!("{what}: {e}"))
-    }
 }
 
-impl<'de> Deserialize<'de> for Value {
-    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Value, D::Error> {
-        struct ValueVisitor;
-        impl<'de> Visitor<'de> for ValueVisitor {
-            type Value = Value;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any YAML value")
-            }
-            fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-                Ok(Value::Bool(v))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-                Ok(Value::Int(v))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-                Ok(i64::try_from(v).map_or(Value::Float(v as f64), Value::Int))
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
-                Ok(Value::Float(v))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-                Ok(Value::Str(v.to_owned()))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Value, E> {
-                Ok(Value::Str(v))
-            }
-            fn visit_unit<E>(self) -> Result<Value, E> {
-                Ok(Value::Null)
-            }
-            fn visit_none<E>(self) -> Result<Value, E> {
-                Ok(Value::Null)
-            }
-            fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-                Value::deserialize(d)
-            }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-                let mut items = Vec::new();
-                while let Some(item) = seq.next_element()? {
-                    items.push(item);
-                }
-                Ok(Value::Seq(items))
-            }
-            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-                let mut entries: Vec<(String, Value)> = Vec::new();
-                while let Some(key) = map.next_key::<Value>()? {
-                    let key = key
-                        .text()
-                        .ok_or_else(|| de::Error::custom("a map key that is not a scalar"))?;
-                    if entries.iter().any(|(k, _)| *k == key) {
-                        return Err(de::Error::custom(format!("duplicate key `{key}`")));
-                    }
-                    entries.push((key, map.next_value()?));
-                }
-                Ok(Value::Map(entries))
-            }
-        }
-        deserializer.deserialize_any(ValueVisitor)
-    }
+/// Decodes a subtree into a typed mirror, which rejects unknown fields.
+fn decode<T: DeserializeOwned>(what: &str, value: &Value) -> T {
+    T::deserialize(value).unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
-/// So a subtree can be decoded into a typed mirror.
-impl<'de> de::Deserializer<'de> for Value {
-    type Error = DeError;
-
-    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
-        match self {
-            Value::Null => visitor.visit_unit(),
-            Value::Bool(b) => visitor.visit_bool(b),
-            Value::Int(i) => visitor.visit_i64(i),
-            Value::Float(f) => visitor.visit_f64(f),
-            Value::Str(s) => visitor.visit_string(s),
-            Value::Seq(items) => {
-                let mut seq = SeqDeserializer::new(items.into_iter());
-                let value = visitor.visit_seq(&mut seq)?;
-                seq.end()?;
-                Ok(value)
-            }
-            Value::Map(entries) => {
-                let mut map = MapDeserializer::new(entries.into_iter());
-                let value = visitor.visit_map(&mut map)?;
-                map.end()?;
-                Ok(value)
-            }
-        }
-    }
-
-    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
-        match self {
-            Value::Null => visitor.visit_none(),
-            other => visitor.visit_some(other),
-        }
-    }
-
-    serde::forward_to_deserialize_any! {
-        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
-        unit unit_struct newtype_struct seq tuple tuple_struct map struct enum identifier
-        ignored_any
-    }
-}
-
-impl IntoDeserializer<'_, DeError> for Value {
-    type Deserializer = Value;
-    fn into_deserializer(self) -> Value {
-        self
-    }
-}
-
-/// Every document of a YAML file.
+/// Every document of a YAML file; serde-saphyr refuses duplicate keys.
 fn yaml_documents(relative: &str) -> Vec<Value> {
-    let text = read(relative);
     let docs: Vec<Value> =
-        serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{relative}: {e}"));
-    let docs: Vec<Value> = docs.into_iter().filter(|d| *d != Value::Null).collect();
+        serde_saphyr::from_multiple(&read(relative)).unwrap_or_else(|e| panic!("{relative}: {e}"));
+    let docs: Vec<Value> = docs.into_iter().filter(|d| !d.is_null()).collect();
     assert!(!docs.is_empty(), "{relative}: no YAML document");
     docs
 }
 
-/// Strict JSON (RFC 8259: no comments, no trailing commas; [`Value`] refuses duplicate keys),
-/// so a dashboard that only a YAML parser would accept fails here.
+/// Strict JSON without duplicate keys: serde_json alone would keep the last one silently, so
+/// serde-saphyr (JSON is YAML) checks for them first.
 fn parse_json(text: &str) -> Result<Value, String> {
-    serde_json::from_str(text).map_err(|error| error.to_string())
+    serde_saphyr::from_str::<serde::de::IgnoredAny>(text).map_err(|e| e.to_string())?;
+    serde_json::from_str(text).map_err(|e| e.to_string())
 }
 
 #[test]
-fn the_json_parser_is_strict() {
-    assert!(parse_json(r#"{"a": [1, 2.5, -3e2, "x\u00e9\ud83d\ude00", true, null]}"#).is_ok());
-    for bad in [
-        r#"{"a": 1,}"#,
-        r#"[1, 2,]"#,
-        r#"{a: 1}"#,
-        r#"{"a": 1} // c"#,
-        r#"{"a": 1, "a": 2}"#,
-        r#"{"a": 01}"#,
-        "{\"a\": \"x\ty\"}",
-        r#"{"a": 'x'}"#,
-    ] {
-        assert!(parse_json(bad).is_err(), "accepted {bad}");
-    }
+fn json_with_duplicate_keys_is_refused() {
+    assert!(parse_json(r#"{"a": {"b": [1, 2.5]}, "c": "x\u00e9"}"#).is_ok());
+    assert!(parse_json(r#"{"a": {"b": 1, "b": 2}}"#).is_err());
+    assert!(parse_json(r#"{"a": 1,}"#).is_err());
 }
 
 // === rlsd itself =================================================================================
@@ -429,7 +280,6 @@ fn serve_flags() -> &'static BTreeMap<String, Flag> {
             .get_arguments()
             .chain(serve.get_arguments())
             .filter_map(|arg| {
-                let long = arg.get_long()?;
                 let flag = Flag {
                     takes_value: arg.get_action().takes_values(),
                     env: arg.get_env().map(|env| env.to_string_lossy().into_owned()),
@@ -443,7 +293,7 @@ fn serve_flags() -> &'static BTreeMap<String, Flag> {
                         .map(|value| value.get_name().to_owned())
                         .collect(),
                 };
-                Some((format!("--{long}"), flag))
+                Some((format!("--{}", arg.get_long()?), flag))
             })
             .collect()
     })
@@ -468,12 +318,8 @@ fn port_of(addr: &str) -> u16 {
 }
 
 fn default_port(flag_name: &str) -> u16 {
-    port_of(
-        flag(flag_name)
-            .default
-            .as_deref()
-            .unwrap_or_else(|| panic!("{flag_name} has no default")),
-    )
+    let default = flag(flag_name).default.as_deref();
+    port_of(default.unwrap_or_else(|| panic!("{flag_name} has no default")))
 }
 
 #[test]
@@ -485,18 +331,16 @@ fn the_flags_are_read_from_rlsd() {
     assert!(flag("--config").takes_value);
 }
 
-/// The example config, loaded as rlsd loads it.
-fn example_domain() -> rlsd::config::Domain {
-    rlsd::config::load_str(EXAMPLE, &read(EXAMPLE)).unwrap_or_else(|errors| {
-        panic!(
-            "{EXAMPLE} does not load: {}",
-            errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; ")
-        )
+/// A config, loaded as rlsd loads it.
+fn load_config(what: &str, file_name: &str, text: &str) -> Domain {
+    rlsd::config::load_str(file_name, text).unwrap_or_else(|errors| {
+        let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        panic!("{what} does not load: {}", errors.join("; "))
     })
+}
+
+fn example_domain() -> Domain {
+    load_config(EXAMPLE, EXAMPLE, &read(EXAMPLE))
 }
 
 /// Every node of a domain's tree that carries a limit, by path.
@@ -516,7 +360,7 @@ fn limited_paths(level: &Level, out: &mut BTreeSet<String>) {
     }
 }
 
-fn limited_node<'c>(domain: &'c rlsd::config::Domain, entries: &[(String, String)]) -> &'c Node {
+fn limited_node<'c>(domain: &'c Domain, entries: &[(String, String)]) -> &'c Node {
     let node = rlsd::engine::matcher::find(&domain.root, entries)
         .unwrap_or_else(|| panic!("{entries:?} matches nothing in {EXAMPLE}"));
     assert!(
@@ -532,271 +376,95 @@ fn limited_node<'c>(domain: &'c rlsd::config::Domain, entries: &[(String, String
 // The parts of Envoy's schema our files use, field for field. `deny_unknown_fields` means a
 // field this test does not model (and so does not check) is an error, not a silent pass.
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BootstrapY {
-    admin: AdminY,
-    static_resources: StaticResourcesY,
+macro_rules! mirrors {
+    ($($(#[$meta:meta])* struct $name:ident { $($(#[$field_meta:meta])* $field:ident: $ty:ty,)* })*) => {$(
+        $(#[$meta])*
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $name { $($(#[$field_meta])* $field: $ty,)* }
+    )*};
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AdminY {
-    address: AddressY,
+mirrors! {
+    struct BootstrapY { admin: AdminY, static_resources: StaticResourcesY, }
+    struct AdminY { address: AddressY, }
+    struct AddressY { socket_address: SocketAddressY, }
+    struct SocketAddressY { address: String, port_value: u32, }
+    struct StaticResourcesY { listeners: Vec<ListenerY>, clusters: Vec<ClusterY>, }
+    struct ListenerY { name: String, address: AddressY, filter_chains: Vec<FilterChainY>, }
+    struct FilterChainY { filters: Vec<NetworkFilterY>, }
+    struct NetworkFilterY { name: String, typed_config: HcmY, }
+    struct HcmY {
+        #[serde(rename = "@type")] type_url: String,
+        stat_prefix: String,
+        codec_type: Option<String>,
+        use_remote_address: Option<bool>,
+        route_config: RouteConfigY,
+        http_filters: Vec<HttpFilterY>,
+    }
+    struct RouteConfigY { name: String, virtual_hosts: Vec<VirtualHostY>, }
+    struct VirtualHostY {
+        name: String,
+        domains: Vec<String>,
+        routes: Vec<RouteY>,
+        #[serde(default)] rate_limits: Vec<RateLimitY>,
+    }
+    struct RouteY { #[serde(rename = "match")] route_match: RouteMatchY, route: RouteActionY, }
+    struct RouteMatchY { prefix: String, }
+    struct RouteActionY { cluster: String, #[serde(default)] rate_limits: Vec<RateLimitY>, }
+    /// A route or virtual host `rate_limits` entry.
+    struct RateLimitY { actions: Vec<ActionY>, }
+    struct EmptyY {}
+    struct RequestHeadersY { header_name: String, descriptor_key: String, }
+    struct HeaderValueMatchY {
+        #[serde(default)] descriptor_key: String,
+        descriptor_value: String,
+        headers: Vec<HeaderMatcherY>,
+    }
+    struct HeaderMatcherY { name: String, string_match: StringMatchY, }
+    struct StringMatchY { prefix: String, }
+    /// `typed_config` is decoded by `name`, into [`RateLimitFilterY`] or [`RouterY`].
+    struct HttpFilterY { name: String, typed_config: Value, }
+    struct RouterY { #[serde(rename = "@type")] type_url: String, }
+    struct RateLimitFilterY {
+        #[serde(rename = "@type")] type_url: String,
+        domain: String,
+        timeout: Option<String>,
+        // Required: failing open or closed is a choice to write down, not a default.
+        failure_mode_deny: bool,
+        enable_x_ratelimit_headers: Option<String>,
+        rate_limit_service: RateLimitServiceY,
+    }
+    struct RateLimitServiceY { transport_api_version: String, grpc_service: GrpcServiceY, }
+    struct GrpcServiceY { envoy_grpc: EnvoyGrpcY, timeout: Option<String>, }
+    struct EnvoyGrpcY { cluster_name: String, authority: Option<String>, }
+    struct ClusterY {
+        name: String,
+        #[serde(rename = "type")] discovery: String,
+        connect_timeout: String,
+        #[serde(default)] typed_extension_protocol_options: BTreeMap<String, HttpProtocolOptionsY>,
+        load_assignment: LoadAssignmentY,
+    }
+    struct HttpProtocolOptionsY {
+        #[serde(rename = "@type")] type_url: String,
+        explicit_http_config: ExplicitHttpConfigY,
+    }
+    struct ExplicitHttpConfigY { http2_protocol_options: EmptyY, }
+    struct LoadAssignmentY { cluster_name: String, endpoints: Vec<LocalityEndpointsY>, }
+    struct LocalityEndpointsY { lb_endpoints: Vec<LbEndpointY>, }
+    struct LbEndpointY { endpoint: EndpointY, }
+    struct EndpointY { address: AddressY, }
+    /// The value of an Istio VIRTUAL_HOST MERGE patch.
+    struct VirtualHostPatchY { rate_limits: Vec<RateLimitY>, }
 }
 
+/// `RateLimit.Action`, a oneof: a map with exactly one of these keys.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AddressY {
-    socket_address: SocketAddressY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SocketAddressY {
-    address: String,
-    port_value: u32,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StaticResourcesY {
-    listeners: Vec<ListenerY>,
-    clusters: Vec<ClusterY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListenerY {
-    name: String,
-    address: AddressY,
-    filter_chains: Vec<FilterChainY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FilterChainY {
-    filters: Vec<NetworkFilterY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NetworkFilterY {
-    name: String,
-    typed_config: HcmY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HcmY {
-    #[serde(rename = "@type")]
-    type_url: String,
-    stat_prefix: String,
-    codec_type: Option<String>,
-    use_remote_address: Option<bool>,
-    xff_num_trusted_hops: Option<u32>,
-    route_config: RouteConfigY,
-    http_filters: Vec<HttpFilterY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RouteConfigY {
-    name: String,
-    virtual_hosts: Vec<VirtualHostY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VirtualHostY {
-    name: String,
-    domains: Vec<String>,
-    routes: Vec<RouteY>,
-    #[serde(default)]
-    rate_limits: Vec<RateLimitY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RouteY {
-    #[serde(rename = "match")]
-    route_match: RouteMatchY,
-    route: RouteActionY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RouteMatchY {
-    prefix: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RouteActionY {
-    cluster: String,
-    #[serde(default)]
-    rate_limits: Vec<RateLimitY>,
-}
-
-/// A route or virtual host `rate_limits` entry.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RateLimitY {
-    stage: Option<u32>,
-    actions: Vec<ActionY>,
-}
-
-/// `RateLimit.Action`, a oneof: exactly one field is set.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ActionY {
-    remote_address: Option<EmptyY>,
-    request_headers: Option<RequestHeadersY>,
-    header_value_match: Option<HeaderValueMatchY>,
-    generic_key: Option<GenericKeyY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EmptyY {}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RequestHeadersY {
-    header_name: String,
-    descriptor_key: String,
-    skip_if_absent: Option<bool>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HeaderValueMatchY {
-    descriptor_key: Option<String>,
-    descriptor_value: String,
-    expect_match: Option<bool>,
-    headers: Vec<HeaderMatcherY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HeaderMatcherY {
-    name: String,
-    string_match: Option<StringMatchY>,
-    present_match: Option<bool>,
-    invert_match: Option<bool>,
-}
-
-/// `StringMatcher`: one pattern field set.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StringMatchY {
-    exact: Option<String>,
-    prefix: Option<String>,
-    suffix: Option<String>,
-    contains: Option<String>,
-    ignore_case: Option<bool>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GenericKeyY {
-    descriptor_key: Option<String>,
-    descriptor_value: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HttpFilterY {
-    name: String,
-    typed_config: HttpFilterConfigY,
-}
-
-/// The `typed_config` of an HTTP filter: the rate limit filter's fields, all optional so the
-/// router's (which has none) fits too; which must be set is checked against `@type`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HttpFilterConfigY {
-    #[serde(rename = "@type")]
-    type_url: String,
-    domain: Option<String>,
-    stage: Option<u32>,
-    timeout: Option<String>,
-    failure_mode_deny: Option<bool>,
-    enable_x_ratelimit_headers: Option<String>,
-    rate_limit_service: Option<RateLimitServiceY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RateLimitServiceY {
-    transport_api_version: String,
-    grpc_service: GrpcServiceY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GrpcServiceY {
-    envoy_grpc: EnvoyGrpcY,
-    timeout: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EnvoyGrpcY {
-    cluster_name: String,
-    authority: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ClusterY {
-    name: String,
-    #[serde(rename = "type")]
-    discovery: String,
-    connect_timeout: String,
-    #[serde(default)]
-    typed_extension_protocol_options: BTreeMap<String, HttpProtocolOptionsY>,
-    load_assignment: LoadAssignmentY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct HttpProtocolOptionsY {
-    #[serde(rename = "@type")]
-    type_url: String,
-    explicit_http_config: ExplicitHttpConfigY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ExplicitHttpConfigY {
-    http_protocol_options: Option<EmptyY>,
-    http2_protocol_options: Option<EmptyY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LoadAssignmentY {
-    cluster_name: String,
-    endpoints: Vec<LocalityEndpointsY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LocalityEndpointsY {
-    lb_endpoints: Vec<LbEndpointY>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LbEndpointY {
-    endpoint: EndpointY,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EndpointY {
-    address: AddressY,
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+enum ActionY {
+    RemoteAddress(EmptyY),
+    RequestHeaders(RequestHeadersY),
+    HeaderValueMatch(HeaderValueMatchY),
 }
 
 // === Envoy: the real messages ====================================================================
@@ -813,6 +481,11 @@ fn any<M: Message + Name>(written: &str, message: &M) -> wkt::Any {
         type_url: M::type_url(),
         value: message.encode_to_vec(),
     }
+}
+
+/// An Envoy enum written by its name.
+fn named<E>(field: &str, name: &str, from_str_name: fn(&str) -> Option<E>) -> E {
+    from_str_name(name).unwrap_or_else(|| panic!("{field}: no `{name}`"))
 }
 
 /// An Envoy duration (`0.02s`): decimal seconds, at most nanosecond precision.
@@ -857,160 +530,72 @@ fn address(a: &AddressY) -> core::Address {
     }
 }
 
-fn string_matcher(m: &StringMatchY) -> matcher::StringMatcher {
-    use matcher::string_matcher::MatchPattern;
-    let patterns: Vec<MatchPattern> = [
-        m.exact.clone().map(MatchPattern::Exact),
-        m.prefix.clone().map(MatchPattern::Prefix),
-        m.suffix.clone().map(MatchPattern::Suffix),
-        m.contains.clone().map(MatchPattern::Contains),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    assert_eq!(patterns.len(), 1, "a string_match sets one pattern: {m:?}");
-    matcher::StringMatcher {
-        ignore_case: m.ignore_case.unwrap_or(false),
-        match_pattern: patterns.into_iter().next(),
-    }
-}
-
 fn rate_limit_entry(entry: &RateLimitY) -> route::RateLimit {
     use route::rate_limit::action::{self, ActionSpecifier};
     assert!(
         !entry.actions.is_empty(),
         "a rate_limits entry needs actions"
     );
-    let actions = entry
-        .actions
-        .iter()
-        .map(|a| {
-            let mut set: Vec<ActionSpecifier> = Vec::new();
-            if a.remote_address.is_some() {
-                set.push(ActionSpecifier::RemoteAddress(action::RemoteAddress {}));
-            }
-            if let Some(h) = &a.request_headers {
-                assert!(!h.header_name.is_empty() && !h.descriptor_key.is_empty());
-                set.push(ActionSpecifier::RequestHeaders(action::RequestHeaders {
-                    header_name: h.header_name.clone(),
-                    descriptor_key: h.descriptor_key.clone(),
-                    skip_if_absent: h.skip_if_absent.unwrap_or(false),
-                }));
-            }
-            if let Some(m) = &a.header_value_match {
-                assert!(!m.headers.is_empty(), "header_value_match needs headers");
-                set.push(ActionSpecifier::HeaderValueMatch(
-                    action::HeaderValueMatch {
-                        descriptor_key: m.descriptor_key.clone().unwrap_or_default(),
-                        descriptor_value: m.descriptor_value.clone(),
-                        expect_match: m.expect_match.map(|value| wkt::BoolValue { value }),
-                        headers: m
-                            .headers
-                            .iter()
-                            .map(|h| {
-                                use route::header_matcher::HeaderMatchSpecifier;
-                                let specifier = match (&h.string_match, h.present_match) {
-                                    (Some(s), None) => {
-                                        Some(HeaderMatchSpecifier::StringMatch(string_matcher(s)))
-                                    }
-                                    (None, Some(p)) => Some(HeaderMatchSpecifier::PresentMatch(p)),
-                                    (None, None) => None,
-                                    (Some(_), Some(_)) => panic!("{h:?}: one match specifier"),
-                                };
-                                route::HeaderMatcher {
-                                    name: h.name.clone(),
-                                    invert_match: h.invert_match.unwrap_or(false),
-                                    header_match_specifier: specifier,
-                                    ..Default::default()
-                                }
-                            })
-                            .collect(),
-                        ..Default::default()
-                    },
-                ));
-            }
-            if let Some(g) = &a.generic_key {
-                set.push(ActionSpecifier::GenericKey(action::GenericKey {
-                    descriptor_key: g.descriptor_key.clone().unwrap_or_default(),
-                    descriptor_value: g.descriptor_value.clone(),
-                    ..Default::default()
-                }));
-            }
-            assert_eq!(set.len(), 1, "an action sets exactly one kind: {a:?}");
-            route::rate_limit::Action {
-                action_specifier: set.pop(),
-            }
-        })
-        .collect();
+    let specifier = |a: &ActionY| match a {
+        ActionY::RemoteAddress(EmptyY {}) => {
+            ActionSpecifier::RemoteAddress(action::RemoteAddress {})
+        }
+        ActionY::RequestHeaders(h) => {
+            assert!(!h.header_name.is_empty() && !h.descriptor_key.is_empty());
+            ActionSpecifier::RequestHeaders(action::RequestHeaders {
+                header_name: h.header_name.clone(),
+                descriptor_key: h.descriptor_key.clone(),
+                skip_if_absent: false,
+            })
+        }
+        ActionY::HeaderValueMatch(m) => {
+            assert!(!m.headers.is_empty(), "header_value_match needs headers");
+            ActionSpecifier::HeaderValueMatch(action::HeaderValueMatch {
+                descriptor_key: m.descriptor_key.clone(),
+                descriptor_value: m.descriptor_value.clone(),
+                headers: m.headers.iter().map(header_matcher).collect(),
+                ..Default::default()
+            })
+        }
+    };
     route::RateLimit {
-        stage: entry.stage.map(|value| wkt::UInt32Value { value }),
-        actions,
+        actions: entry
+            .actions
+            .iter()
+            .map(|a| route::rate_limit::Action {
+                action_specifier: Some(specifier(a)),
+            })
+            .collect(),
         ..Default::default()
     }
 }
 
-/// The rate limit filter's config as Envoy's message; `None` for the router.
+fn header_matcher(h: &HeaderMatcherY) -> route::HeaderMatcher {
+    use matcher::string_matcher::MatchPattern;
+    let prefix = matcher::StringMatcher {
+        match_pattern: Some(MatchPattern::Prefix(h.string_match.prefix.clone())),
+        ..Default::default()
+    };
+    route::HeaderMatcher {
+        name: h.name.clone(),
+        header_match_specifier: Some(route::header_matcher::HeaderMatchSpecifier::StringMatch(
+            prefix,
+        )),
+        ..Default::default()
+    }
+}
+
+/// An HTTP filter as Envoy's message, with the rate limit filter's config (`None` for the router).
 fn http_filter(f: &HttpFilterY) -> (hcm::HttpFilter, Option<rl_filter::RateLimit>) {
-    let c = &f.typed_config;
+    let what = format!("HTTP filter {}", f.name);
     let (any, rate_limit) = match f.name.as_str() {
         "envoy.filters.http.ratelimit" => {
-            let headers = c.enable_x_ratelimit_headers.as_deref().map_or(0, |name| {
-                rl_filter::rate_limit::XRateLimitHeadersRfcVersion::from_str_name(name)
-                    .unwrap_or_else(|| panic!("enable_x_ratelimit_headers: no `{name}`"))
-                    as i32
-            });
-            let service = c
-                .rate_limit_service
-                .as_ref()
-                .expect("the rate limit filter needs rate_limit_service");
-            let api = core::ApiVersion::from_str_name(&service.transport_api_version)
-                .unwrap_or_else(|| {
-                    panic!(
-                        "transport_api_version: no `{}`",
-                        service.transport_api_version
-                    )
-                });
-            assert_eq!(api, core::ApiVersion::V3, "rlsd speaks the v3 API only");
-            let grpc = &service.grpc_service.envoy_grpc;
-            let message = rl_filter::RateLimit {
-                domain: c
-                    .domain
-                    .clone()
-                    .expect("the rate limit filter needs a domain"),
-                stage: c.stage.unwrap_or(0),
-                timeout: c.timeout.as_deref().map(duration),
-                failure_mode_deny: c
-                    .failure_mode_deny
-                    .expect("failure_mode_deny must be chosen, not defaulted"),
-                enable_x_ratelimit_headers: headers,
-                rate_limit_service: Some(RateLimitServiceConfig {
-                    grpc_service: Some(core::GrpcService {
-                        timeout: service.grpc_service.timeout.as_deref().map(duration),
-                        target_specifier: Some(core::grpc_service::TargetSpecifier::EnvoyGrpc(
-                            core::grpc_service::EnvoyGrpc {
-                                cluster_name: grpc.cluster_name.clone(),
-                                authority: grpc.authority.clone().unwrap_or_default(),
-                                ..Default::default()
-                            },
-                        )),
-                        ..Default::default()
-                    }),
-                    transport_api_version: api as i32,
-                }),
-                ..Default::default()
-            };
+            let c: RateLimitFilterY = decode(&what, &f.typed_config);
+            let message = rate_limit_filter(&c);
             (any(&c.type_url, &message), Some(message))
         }
         "envoy.filters.http.router" => {
-            assert!(
-                c.domain.is_none()
-                    && c.stage.is_none()
-                    && c.timeout.is_none()
-                    && c.failure_mode_deny.is_none()
-                    && c.enable_x_ratelimit_headers.is_none()
-                    && c.rate_limit_service.is_none(),
-                "the router takes none of the rate limit filter's fields"
-            );
+            let c: RouterY = decode(&what, &f.typed_config);
             (any(&c.type_url, &Router::default()), None)
         }
         other => panic!("HTTP filter {other} is not modelled by tests/it/deploy.rs"),
@@ -1023,7 +608,44 @@ fn http_filter(f: &HttpFilterY) -> (hcm::HttpFilter, Option<rl_filter::RateLimit
     (filter, rate_limit)
 }
 
+fn rate_limit_filter(c: &RateLimitFilterY) -> rl_filter::RateLimit {
+    use core::grpc_service::{EnvoyGrpc, TargetSpecifier};
+    let headers = c.enable_x_ratelimit_headers.as_deref().map_or(0, |name| {
+        let from = rl_filter::rate_limit::XRateLimitHeadersRfcVersion::from_str_name;
+        named("enable_x_ratelimit_headers", name, from) as i32
+    });
+    let service = &c.rate_limit_service;
+    let api = named(
+        "transport_api_version",
+        &service.transport_api_version,
+        core::ApiVersion::from_str_name,
+    );
+    assert_eq!(api, core::ApiVersion::V3, "rlsd speaks the v3 API only");
+    let grpc = &service.grpc_service.envoy_grpc;
+    let grpc_service = core::GrpcService {
+        timeout: service.grpc_service.timeout.as_deref().map(duration),
+        target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
+            cluster_name: grpc.cluster_name.clone(),
+            authority: grpc.authority.clone().unwrap_or_default(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    rl_filter::RateLimit {
+        domain: c.domain.clone(),
+        timeout: c.timeout.as_deref().map(duration),
+        failure_mode_deny: c.failure_mode_deny,
+        enable_x_ratelimit_headers: headers,
+        rate_limit_service: Some(RateLimitServiceConfig {
+            grpc_service: Some(grpc_service),
+            transport_api_version: api as i32,
+        }),
+        ..Default::default()
+    }
+}
+
 fn cluster(c: &ClusterY) -> cluster::Cluster {
+    use upstream_http::http_protocol_options::{ExplicitHttpConfig, UpstreamProtocolOptions};
     let discovery = cluster::cluster::DiscoveryType::from_str_name(&c.discovery)
         .unwrap_or_else(|| panic!("cluster {}: no discovery type `{}`", c.name, c.discovery));
     let mut options = HashMap::new();
@@ -1034,28 +656,37 @@ fn cluster(c: &ClusterY) -> cluster::Cluster {
             "cluster {}: the extension is named by its message",
             c.name
         );
-        use upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig;
-        let protocol = match (
-            &o.explicit_http_config.http_protocol_options,
-            &o.explicit_http_config.http2_protocol_options,
-        ) {
-            (None, Some(_)) => ProtocolConfig::Http2ProtocolOptions(Default::default()),
-            (Some(_), None) => ProtocolConfig::HttpProtocolOptions(Default::default()),
-            _ => panic!("cluster {}: explicit_http_config sets one protocol", c.name),
-        };
+        let EmptyY {} = o.explicit_http_config.http2_protocol_options;
+        let http2 = upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(Default::default());
         let message = upstream_http::HttpProtocolOptions {
-            upstream_protocol_options: Some(
-                upstream_http::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
-                    upstream_http::http_protocol_options::ExplicitHttpConfig {
-                        protocol_config: Some(protocol),
-                    },
-                ),
-            ),
+            upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+                ExplicitHttpConfig {
+                    protocol_config: Some(http2),
+                },
+            )),
             ..Default::default()
         };
         options.insert(name.clone(), any(&o.type_url, &message));
     }
     assert_eq!(c.load_assignment.cluster_name, c.name);
+    let lb_endpoint = |e: &LbEndpointY| endpoint::LbEndpoint {
+        host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
+            endpoint::Endpoint {
+                address: Some(address(&e.endpoint.address)),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    };
+    let endpoints = c
+        .load_assignment
+        .endpoints
+        .iter()
+        .map(|l| endpoint::LocalityLbEndpoints {
+            lb_endpoints: l.lb_endpoints.iter().map(lb_endpoint).collect(),
+            ..Default::default()
+        })
+        .collect();
     cluster::Cluster {
         name: c.name.clone(),
         connect_timeout: Some(duration(&c.connect_timeout)),
@@ -1065,29 +696,107 @@ fn cluster(c: &ClusterY) -> cluster::Cluster {
         typed_extension_protocol_options: options,
         load_assignment: Some(endpoint::ClusterLoadAssignment {
             cluster_name: c.load_assignment.cluster_name.clone(),
-            endpoints: c
-                .load_assignment
-                .endpoints
-                .iter()
-                .map(|l| endpoint::LocalityLbEndpoints {
-                    lb_endpoints: l
-                        .lb_endpoints
-                        .iter()
-                        .map(|e| endpoint::LbEndpoint {
-                            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
-                                endpoint::Endpoint {
-                                    address: Some(address(&e.endpoint.address)),
-                                    ..Default::default()
-                                },
-                            )),
-                            ..Default::default()
-                        })
-                        .collect(),
-                    ..Default::default()
-                })
-                .collect(),
+            endpoints,
             ..Default::default()
         }),
+        ..Default::default()
+    }
+}
+
+/// Decodes an Envoy bootstrap file into the mirror and into Envoy's `Bootstrap`.
+fn envoy_bootstrap(relative: &str) -> (BootstrapY, bootstrap::Bootstrap) {
+    envoy_bootstrap_text(relative, &read(relative))
+}
+
+fn envoy_bootstrap_text(what: &str, text: &str) -> (BootstrapY, bootstrap::Bootstrap) {
+    let y: BootstrapY = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let network_filter = |f: &NetworkFilterY| {
+        assert_eq!(f.name, "envoy.filters.network.http_connection_manager");
+        let manager = http_connection_manager(&f.typed_config);
+        listener::Filter {
+            name: f.name.clone(),
+            config_type: Some(listener::filter::ConfigType::TypedConfig(any(
+                &f.typed_config.type_url,
+                &manager,
+            ))),
+        }
+    };
+    let listener = |l: &ListenerY| listener::Listener {
+        name: l.name.clone(),
+        address: Some(address(&l.address)),
+        filter_chains: l
+            .filter_chains
+            .iter()
+            .map(|chain| listener::FilterChain {
+                filters: chain.filters.iter().map(network_filter).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let built = bootstrap::Bootstrap {
+        admin: Some(bootstrap::Admin {
+            address: Some(address(&y.admin.address)),
+            ..Default::default()
+        }),
+        static_resources: Some(bootstrap::bootstrap::StaticResources {
+            listeners: y.static_resources.listeners.iter().map(listener).collect(),
+            clusters: y.static_resources.clusters.iter().map(cluster).collect(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    (y, built)
+}
+
+fn http_connection_manager(m: &HcmY) -> hcm::HttpConnectionManager {
+    use hcm::http_connection_manager::{CodecType, RouteSpecifier};
+    let codec = m.codec_type.as_deref().map_or(0, |name| {
+        named("codec_type", name, CodecType::from_str_name) as i32
+    });
+    assert_eq!(
+        m.http_filters.last().map(|f| f.name.as_str()),
+        Some("envoy.filters.http.router"),
+        "the router must be the last HTTP filter"
+    );
+    let route = |r: &RouteY| route::Route {
+        r#match: Some(route::RouteMatch {
+            path_specifier: Some(route::route_match::PathSpecifier::Prefix(
+                r.route_match.prefix.clone(),
+            )),
+            ..Default::default()
+        }),
+        action: Some(route::route::Action::Route(route::RouteAction {
+            cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(
+                r.route.cluster.clone(),
+            )),
+            rate_limits: r.route.rate_limits.iter().map(rate_limit_entry).collect(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let virtual_host = |v: &VirtualHostY| route::VirtualHost {
+        name: v.name.clone(),
+        domains: v.domains.clone(),
+        rate_limits: v.rate_limits.iter().map(rate_limit_entry).collect(),
+        routes: v.routes.iter().map(route).collect(),
+        ..Default::default()
+    };
+    hcm::HttpConnectionManager {
+        stat_prefix: m.stat_prefix.clone(),
+        codec_type: codec,
+        use_remote_address: m.use_remote_address.map(|value| wkt::BoolValue { value }),
+        http_filters: m.http_filters.iter().map(|f| http_filter(f).0).collect(),
+        route_specifier: Some(RouteSpecifier::RouteConfig(route::RouteConfiguration {
+            name: m.route_config.name.clone(),
+            virtual_hosts: m
+                .route_config
+                .virtual_hosts
+                .iter()
+                .map(virtual_host)
+                .collect(),
+            ..Default::default()
+        })),
         ..Default::default()
     }
 }
@@ -1100,171 +809,56 @@ struct EnvoyRateLimiting {
     use_remote_address: bool,
 }
 
-/// Decodes an Envoy bootstrap file into the mirror and into Envoy's `Bootstrap`.
-fn envoy_bootstrap(relative: &str) -> (BootstrapY, bootstrap::Bootstrap) {
-    envoy_bootstrap_text(relative, &read(relative))
-}
-
-fn envoy_bootstrap_text(what: &str, text: &str) -> (BootstrapY, bootstrap::Bootstrap) {
-    let y: BootstrapY = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let listeners =
-        y.static_resources
-            .listeners
-            .iter()
-            .map(|l| listener::Listener {
-                name: l.name.clone(),
-                address: Some(address(&l.address)),
-                filter_chains: l
-                    .filter_chains
-                    .iter()
-                    .map(|chain| listener::FilterChain {
-                        filters: chain
-                            .filters
-                            .iter()
-                            .map(|f| {
-                                assert_eq!(f.name, "envoy.filters.network.http_connection_manager");
-                                let manager = http_connection_manager(&f.typed_config);
-                                listener::Filter {
-                                    name: f.name.clone(),
-                                    config_type: Some(listener::filter::ConfigType::TypedConfig(
-                                        any(&f.typed_config.type_url, &manager),
-                                    )),
-                                }
-                            })
-                            .collect(),
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
-            })
-            .collect();
-    let built = bootstrap::Bootstrap {
-        admin: Some(bootstrap::Admin {
-            address: Some(address(&y.admin.address)),
-            ..Default::default()
-        }),
-        static_resources: Some(bootstrap::bootstrap::StaticResources {
-            listeners,
-            clusters: y.static_resources.clusters.iter().map(cluster).collect(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    (y, built)
-}
-
-fn http_connection_manager(m: &HcmY) -> hcm::HttpConnectionManager {
-    let codec = m.codec_type.as_deref().map_or(0, |name| {
-        hcm::http_connection_manager::CodecType::from_str_name(name)
-            .unwrap_or_else(|| panic!("codec_type: no `{name}`")) as i32
-    });
-    let filters: Vec<hcm::HttpFilter> = m.http_filters.iter().map(|f| http_filter(f).0).collect();
-    assert_eq!(
-        m.http_filters.last().map(|f| f.name.as_str()),
-        Some("envoy.filters.http.router"),
-        "the router must be the last HTTP filter"
-    );
-    let virtual_hosts = m
-        .route_config
-        .virtual_hosts
-        .iter()
-        .map(|v| route::VirtualHost {
-            name: v.name.clone(),
-            domains: v.domains.clone(),
-            rate_limits: v.rate_limits.iter().map(rate_limit_entry).collect(),
-            routes: v
-                .routes
-                .iter()
-                .map(|r| route::Route {
-                    r#match: Some(route::RouteMatch {
-                        path_specifier: Some(route::route_match::PathSpecifier::Prefix(
-                            r.route_match.prefix.clone(),
-                        )),
-                        ..Default::default()
-                    }),
-                    action: Some(route::route::Action::Route(route::RouteAction {
-                        cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(
-                            r.route.cluster.clone(),
-                        )),
-                        rate_limits: r.route.rate_limits.iter().map(rate_limit_entry).collect(),
-                        ..Default::default()
-                    })),
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
-        })
-        .collect();
-    hcm::HttpConnectionManager {
-        stat_prefix: m.stat_prefix.clone(),
-        codec_type: codec,
-        use_remote_address: m.use_remote_address.map(|value| wkt::BoolValue { value }),
-        xff_num_trusted_hops: m.xff_num_trusted_hops.unwrap_or(0),
-        http_filters: filters,
-        route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::RouteConfig(
-            route::RouteConfiguration {
-                name: m.route_config.name.clone(),
-                virtual_hosts,
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
-    }
-}
-
 /// Unpacks what matters for rate limiting from a built bootstrap, through the encoded `Any`s.
 fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
+    use hcm::http_connection_manager::RouteSpecifier;
     let resources = built.static_resources.as_ref().expect("static_resources");
     let mut found = Vec::new();
-    for l in &resources.listeners {
-        for chain in &l.filter_chains {
-            for f in &chain.filters {
-                let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
-                    panic!("filter {} without typed_config", f.name);
-                };
-                let manager = hcm::HttpConnectionManager::decode(any.value.as_slice())
-                    .expect("an HttpConnectionManager");
-                let filter = manager
-                    .http_filters
-                    .iter()
-                    .find(|f| f.name == "envoy.filters.http.ratelimit")
-                    .and_then(|f| match &f.config_type {
-                        Some(hcm::http_filter::ConfigType::TypedConfig(any)) => Some(
-                            rl_filter::RateLimit::decode(any.value.as_slice()).expect("RateLimit"),
-                        ),
-                        _ => None,
-                    })
-                    .expect("the rate limit filter");
-                let Some(hcm::http_connection_manager::RouteSpecifier::RouteConfig(routes)) =
-                    &manager.route_specifier
-                else {
-                    panic!("an inline route_config");
-                };
-                let mut carriers: Vec<Vec<route::RateLimit>> = Vec::new();
-                for v in &routes.virtual_hosts {
-                    if !v.rate_limits.is_empty() {
-                        carriers.push(v.rate_limits.clone());
-                    }
-                    for r in &v.routes {
-                        if let Some(route::route::Action::Route(action)) = &r.action
-                            && !action.rate_limits.is_empty()
-                        {
-                            carriers.push(action.rate_limits.clone());
-                        }
-                    }
+    for f in resources
+        .listeners
+        .iter()
+        .flat_map(|l| &l.filter_chains)
+        .flat_map(|chain| &chain.filters)
+    {
+        let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+            panic!("filter {} without typed_config", f.name);
+        };
+        let manager = hcm::HttpConnectionManager::decode(any.value.as_slice())
+            .expect("an HttpConnectionManager");
+        let filter = manager
+            .http_filters
+            .iter()
+            .find(|f| f.name == "envoy.filters.http.ratelimit")
+            .and_then(|f| match &f.config_type {
+                Some(hcm::http_filter::ConfigType::TypedConfig(any)) => {
+                    Some(rl_filter::RateLimit::decode(any.value.as_slice()).expect("RateLimit"))
                 }
-                assert_eq!(
-                    carriers.len(),
-                    1,
-                    "all rate_limits on one virtual host or route, so they go in one request"
-                );
-                found.push(EnvoyRateLimiting {
-                    filter,
-                    entries: carriers.pop().expect("one"),
-                    use_remote_address: manager.use_remote_address.is_some_and(|b| b.value),
-                });
+                _ => None,
+            })
+            .expect("the rate limit filter");
+        let Some(RouteSpecifier::RouteConfig(routes)) = &manager.route_specifier else {
+            panic!("an inline route_config");
+        };
+        let mut carriers: Vec<&Vec<route::RateLimit>> = Vec::new();
+        for v in &routes.virtual_hosts {
+            carriers.push(&v.rate_limits);
+            for r in &v.routes {
+                if let Some(route::route::Action::Route(action)) = &r.action {
+                    carriers.push(&action.rate_limits);
+                }
             }
         }
+        carriers.retain(|entries| !entries.is_empty());
+        assert_eq!(
+            carriers.len(),
+            1,
+            "all rate_limits on one virtual host or route, so they go in one request"
+        );
+        found.push(EnvoyRateLimiting {
+            filter,
+            entries: carriers[0].clone(),
+            use_remote_address: manager.use_remote_address.is_some_and(|b| b.value),
+        });
     }
     assert_eq!(
         found.len(),
@@ -1272,6 +866,39 @@ fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
         "one HTTP connection manager with rate limiting"
     );
     found.pop().expect("one")
+}
+
+/// The cluster the rate limit filter calls.
+fn rlsd_target(filter: &rl_filter::RateLimit) -> &core::grpc_service::EnvoyGrpc {
+    let target = filter
+        .rate_limit_service
+        .as_ref()
+        .and_then(|s| s.grpc_service.as_ref())
+        .and_then(|g| g.target_specifier.as_ref());
+    let Some(core::grpc_service::TargetSpecifier::EnvoyGrpc(grpc)) = target else {
+        panic!("envoy_grpc");
+    };
+    grpc
+}
+
+fn cluster_named<'b>(built: &'b bootstrap::Bootstrap, name: &str) -> &'b cluster::Cluster {
+    let resources = built.static_resources.as_ref().expect("resources");
+    resources
+        .clusters
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no cluster {name}"))
+}
+
+/// Envoy's rate limit headers, or rlsd's `--headers`: exactly one side adds them.
+fn assert_headers_from_one_side(what: &str, filter: &rl_filter::RateLimit, rlsd: &RlsdSettings) {
+    let envoy_adds = filter.enable_x_ratelimit_headers
+        == rl_filter::rate_limit::XRateLimitHeadersRfcVersion::DraftVersion03 as i32;
+    assert_eq!(
+        rlsd.get("--headers") == Some("off"),
+        envoy_adds,
+        "{what}: Envoy's enable_x_ratelimit_headers and rlsd's --headers must not both add headers (nor neither)"
+    );
 }
 
 // === Envoy: the descriptors it sends =============================================================
@@ -1283,7 +910,15 @@ struct Sample<'a> {
     headers: &'a [(&'a str, &'a str)],
 }
 
-impl Sample<'_> {
+impl<'a> Sample<'a> {
+    fn new(client: &'a str, path: &'a str, headers: &'a [(&'a str, &'a str)]) -> Sample<'a> {
+        Sample {
+            client,
+            path,
+            headers,
+        }
+    }
+
     fn header(&self, name: &str) -> Option<&str> {
         if name == ":path" {
             return Some(self.path);
@@ -1298,86 +933,56 @@ impl Sample<'_> {
 fn header_matches(m: &route::HeaderMatcher, request: &Sample<'_>) -> bool {
     use matcher::string_matcher::MatchPattern;
     use route::header_matcher::HeaderMatchSpecifier;
-    let value = request.header(&m.name);
-    let matched = match (&m.header_match_specifier, value) {
-        (None, v) => v.is_some(),
-        (Some(HeaderMatchSpecifier::PresentMatch(present)), v) => v.is_some() == *present,
-        (Some(HeaderMatchSpecifier::StringMatch(s)), Some(v)) => {
-            let (v, fold) = if s.ignore_case {
-                (v.to_ascii_lowercase(), true)
-            } else {
-                (v.to_owned(), false)
-            };
-            let norm = |p: &str| {
-                if fold {
-                    p.to_ascii_lowercase()
-                } else {
-                    p.to_owned()
-                }
-            };
-            match &s.match_pattern {
-                Some(MatchPattern::Exact(p)) => v == norm(p),
-                Some(MatchPattern::Prefix(p)) => v.starts_with(&norm(p)),
-                Some(MatchPattern::Suffix(p)) => v.ends_with(&norm(p)),
-                Some(MatchPattern::Contains(p)) => v.contains(&norm(p)),
-                other => panic!("string match {other:?} is not modelled"),
-            }
-        }
-        (Some(HeaderMatchSpecifier::StringMatch(_)), None) => false,
-        (other, _) => panic!("header match {other:?} is not modelled"),
+    let Some(HeaderMatchSpecifier::StringMatch(s)) = &m.header_match_specifier else {
+        panic!("header match {m:?} is not modelled");
     };
-    matched != m.invert_match
+    let Some(MatchPattern::Prefix(prefix)) = &s.match_pattern else {
+        panic!("string match {s:?} is not modelled");
+    };
+    assert!(!s.ignore_case && !m.invert_match, "{m:?} is not modelled");
+    request
+        .header(&m.name)
+        .is_some_and(|v| v.starts_with(prefix.as_str()))
 }
 
-/// The descriptors Envoy sends for `request` (rate_limit_filter.rst): one per entry of the
-/// filter's stage; an entry whose action cannot produce its value is dropped whole.
-fn envoy_descriptors(rl: &EnvoyRateLimiting, request: &Sample<'_>) -> Vec<Vec<(String, String)>> {
+/// The descriptor Envoy sends for one `rate_limits` entry (rate_limit_filter.rst); `None` when
+/// an action cannot produce its value, which drops the entry whole.
+fn descriptor(entry: &route::RateLimit, request: &Sample<'_>) -> Option<Vec<(String, String)>> {
     use route::rate_limit::action::ActionSpecifier;
-    let mut descriptors = Vec::new();
-    'entries: for entry in &rl.entries {
-        if entry.stage.as_ref().map_or(0, |s| s.value) != rl.filter.stage {
-            continue;
-        }
-        let mut entries = Vec::new();
-        for action in &entry.actions {
-            let pair = match action.action_specifier.as_ref().expect("an action") {
-                ActionSpecifier::RemoteAddress(_) => {
-                    ("remote_address".to_owned(), request.client.to_owned())
+    let pair = |key: &str, value: &str| Some((key.to_owned(), value.to_owned()));
+    entry
+        .actions
+        .iter()
+        .map(
+            |action| match action.action_specifier.as_ref().expect("an action") {
+                ActionSpecifier::RemoteAddress(_) => pair("remote_address", request.client),
+                ActionSpecifier::RequestHeaders(h) => {
+                    pair(&h.descriptor_key, request.header(&h.header_name)?)
                 }
-                ActionSpecifier::RequestHeaders(h) => match request.header(&h.header_name) {
-                    Some(v) => (h.descriptor_key.clone(), v.to_owned()),
-                    None if h.skip_if_absent => continue,
-                    None => continue 'entries,
-                },
                 ActionSpecifier::HeaderValueMatch(m) => {
                     let all = m.headers.iter().all(|h| header_matches(h, request));
                     if all != m.expect_match.as_ref().is_none_or(|b| b.value) {
-                        continue 'entries;
+                        return None;
                     }
                     let key = if m.descriptor_key.is_empty() {
-                        "header_match".to_owned()
+                        "header_match"
                     } else {
-                        m.descriptor_key.clone()
+                        &m.descriptor_key
                     };
-                    (key, m.descriptor_value.clone())
-                }
-                ActionSpecifier::GenericKey(g) => {
-                    let key = if g.descriptor_key.is_empty() {
-                        "generic_key".to_owned()
-                    } else {
-                        g.descriptor_key.clone()
-                    };
-                    (key, g.descriptor_value.clone())
+                    pair(key, &m.descriptor_value)
                 }
                 other => panic!("action {other:?} is not modelled by tests/it/deploy.rs"),
-            };
-            entries.push(pair);
-        }
-        if !entries.is_empty() {
-            descriptors.push(entries);
-        }
-    }
-    descriptors
+            },
+        )
+        .collect()
+}
+
+/// The descriptors of one request: one per entry that produces one.
+fn envoy_descriptors(rl: &EnvoyRateLimiting, request: &Sample<'_>) -> Vec<Vec<(String, String)>> {
+    rl.entries
+        .iter()
+        .filter_map(|entry| descriptor(entry, request))
+        .collect()
 }
 
 fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -1391,7 +996,7 @@ fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
 const PATHS: [&str; 3] = ["/search?q=rust", "/export/all.csv", "/"];
 const PLANS: [&str; 2] = ["free", "pro"];
 
-/// Checks an Envoy rate limit setup against the example config: domain, stage, and that every
+/// Checks an Envoy rate limit setup against the example config: domain, timeout, and that every
 /// descriptor it produces lands on a limit, and every limit of the example is reached.
 fn check_against_example(what: &str, rl: &EnvoyRateLimiting) {
     let domain = example_domain();
@@ -1411,23 +1016,12 @@ fn check_against_example(what: &str, rl: &EnvoyRateLimiting) {
     let mut reached = BTreeSet::new();
     for (i, entry) in rl.entries.iter().enumerate() {
         let mut produced = false;
-        for path in PATHS {
-            for plan in PLANS {
-                let headers = [("x-plan", plan), ("x-api-key", "k-test")];
-                let request = Sample {
-                    client: "203.0.113.7",
-                    path,
-                    headers: &headers,
-                };
-                let one = EnvoyRateLimiting {
-                    filter: rl.filter.clone(),
-                    entries: vec![entry.clone()],
-                    use_remote_address: rl.use_remote_address,
-                };
-                for descriptor in envoy_descriptors(&one, &request) {
-                    produced = true;
-                    reached.insert(limited_node(&domain, &descriptor).path.clone());
-                }
+        for (path, plan) in PATHS.iter().flat_map(|p| PLANS.map(|plan| (*p, plan))) {
+            let headers = [("x-plan", plan), ("x-api-key", "k-test")];
+            if let Some(descriptor) = descriptor(entry, &Sample::new("203.0.113.7", path, &headers))
+            {
+                produced = true;
+                reached.insert(limited_node(&domain, &descriptor).path.clone());
             }
         }
         assert!(
@@ -1455,11 +1049,7 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
         ("x-api-key", "k-1"),
         ("user-agent", "t"),
     ];
-    let search = Sample {
-        client: "198.51.100.4",
-        path: "/search?q=envoy",
-        headers: &headers,
-    };
+    let search = Sample::new("198.51.100.4", "/search?q=envoy", &headers);
     let expected = vec![
         pairs(&[("remote_address", "198.51.100.4")]),
         pairs(&[("plan", "free"), ("api_key", "k-1")]),
@@ -1467,9 +1057,9 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
     ];
     assert_eq!(envoy_descriptors(&rl, &search), expected);
     let domain = example_domain();
-    let limits: BTreeSet<String> = expected
+    let limits: BTreeSet<&String> = expected
         .iter()
-        .map(|d| limited_node(&domain, d).path.clone())
+        .map(|d| &limited_node(&domain, d).path)
         .collect();
     assert_eq!(
         limits.len(),
@@ -1479,27 +1069,15 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
 
     // An export by a pro key, and a plain page: the endpoint layer only where it applies.
     let headers = [("x-plan", "pro"), ("x-api-key", "k-2")];
-    let export = Sample {
-        client: "198.51.100.5",
-        path: "/export",
-        headers: &headers,
-    };
+    let export = Sample::new("198.51.100.5", "/export", &headers);
     assert_eq!(
         envoy_descriptors(&rl, &export)[2],
         pairs(&[("endpoint", "export"), ("api_key", "k-2")])
     );
-    let page = Sample {
-        client: "198.51.100.5",
-        path: "/about",
-        headers: &headers,
-    };
+    let page = Sample::new("198.51.100.5", "/about", &headers);
     assert_eq!(envoy_descriptors(&rl, &page).len(), 2);
     // No key: only the edge layer (the plan and endpoint entries are dropped whole).
-    let anonymous = Sample {
-        client: "198.51.100.6",
-        path: "/search",
-        headers: &[],
-    };
+    let anonymous = Sample::new("198.51.100.6", "/search", &[]);
     assert_eq!(
         envoy_descriptors(&rl, &anonymous),
         vec![pairs(&[("remote_address", "198.51.100.6")])]
@@ -1513,20 +1091,7 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
     assert!(!rl.filter.failure_mode_deny, "envoy.yaml fails open");
 
     // The filter's cluster is rlsd's gRPC port on loopback, over HTTP/2.
-    let service = rl.filter.rate_limit_service.as_ref().expect("service");
-    let Some(core::grpc_service::TargetSpecifier::EnvoyGrpc(grpc)) = service
-        .grpc_service
-        .as_ref()
-        .and_then(|g| g.target_specifier.as_ref())
-    else {
-        panic!("envoy_grpc");
-    };
-    let resources = built.static_resources.as_ref().expect("resources");
-    let rlsd_cluster = resources
-        .clusters
-        .iter()
-        .find(|c| c.name == grpc.cluster_name)
-        .unwrap_or_else(|| panic!("no cluster {}", grpc.cluster_name));
+    let rlsd_cluster = cluster_named(&built, &rlsd_target(&rl.filter).cluster_name);
     assert_http2(rlsd_cluster);
     let (host, port) = only_endpoint(rlsd_cluster);
     assert_eq!(
@@ -1542,25 +1107,16 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
     // The admin interface is loopback only; the listener is 10000.
     assert_eq!(y.admin.address.socket_address.address, "127.0.0.1");
     assert_eq!(y.admin.address.socket_address.port_value, 9901);
-    assert_eq!(
-        y.static_resources.listeners[0]
-            .address
-            .socket_address
-            .port_value,
-        10000
-    );
-    // Every route goes to a defined cluster.
-    let clusters: BTreeSet<&str> = resources.clusters.iter().map(|c| c.name.as_str()).collect();
-    for l in &y.static_resources.listeners {
-        for chain in &l.filter_chains {
-            for f in &chain.filters {
-                for v in &f.typed_config.route_config.virtual_hosts {
-                    for r in &v.routes {
-                        assert!(clusters.contains(r.route.cluster.as_str()));
-                    }
-                }
-            }
-        }
+    let listeners = &y.static_resources.listeners;
+    assert_eq!(listeners[0].address.socket_address.port_value, 10000);
+    let routes = listeners
+        .iter()
+        .flat_map(|l| &l.filter_chains)
+        .flat_map(|chain| &chain.filters)
+        .flat_map(|f| &f.typed_config.route_config.virtual_hosts)
+        .flat_map(|v| &v.routes);
+    for r in routes {
+        cluster_named(&built, &r.route.cluster);
     }
 }
 
@@ -1612,30 +1168,11 @@ fn only_endpoint(c: &cluster::Cluster) -> (String, u32) {
 }
 
 #[test]
-fn type_urls_are_envoys_own() {
-    // The names the mirror checks against come from envoy-types itself.
-    assert_eq!(
-        rl_filter::RateLimit::type_url(),
-        "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit"
-    );
-    assert_eq!(
-        upstream_http::HttpProtocolOptions::full_name(),
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-    );
-    assert_eq!(
-        duration("0.02s"),
-        wkt::Duration {
-            seconds: 0,
-            nanos: 20_000_000
-        }
-    );
-    assert_eq!(
-        duration("10s"),
-        wkt::Duration {
-            seconds: 10,
-            nanos: 0
-        }
-    );
+fn durations_read_as_envoy_writes_them() {
+    let (seconds, nanos) = (0, 20_000_000);
+    assert_eq!(duration("0.02s"), wkt::Duration { seconds, nanos });
+    let (seconds, nanos) = (10, 0);
+    assert_eq!(duration("10s"), wkt::Duration { seconds, nanos });
 }
 
 // === Kubernetes ==================================================================================
@@ -1651,36 +1188,57 @@ const KNOWN_KINDS: &[(&str, &str)] = &[
 ];
 
 fn kind(doc: &Value) -> (&str, &str) {
-    (
-        doc.get("apiVersion")
-            .and_then(Value::str)
-            .unwrap_or_default(),
-        doc.get("kind").and_then(Value::str).unwrap_or_default(),
-    )
+    let api = doc.str("apiVersion").unwrap_or_default();
+    (api, doc.str("kind").unwrap_or_default())
 }
 
 fn name(doc: &Value) -> &str {
-    doc.at("metadata.name")
-        .and_then(Value::str)
-        .expect("metadata.name")
+    doc.str("metadata.name").expect("metadata.name")
 }
 
 fn namespace(doc: &Value) -> &str {
-    doc.at("metadata.namespace")
-        .and_then(Value::str)
-        .unwrap_or("default")
+    doc.str("metadata.namespace").unwrap_or("default")
 }
 
-fn labels(v: Option<&Value>) -> BTreeMap<String, String> {
-    v.map(Value::map)
-        .unwrap_or_default()
-        .iter()
+fn labels(v: &Value) -> BTreeMap<String, String> {
+    let entries = v.as_object().into_iter().flatten();
+    entries
         .map(|(k, v)| (k.clone(), v.text().unwrap_or_default()))
         .collect()
 }
 
 fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
     !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// The object of `docs` of kind `k` named `n`.
+fn object<'d>(docs: &'d [Value], k: &str, n: &str) -> Option<&'d Value> {
+    docs.iter().find(|d| kind(d).1 == k && name(d) == n)
+}
+
+/// The Deployment of `docs` whose pods `selector` selects.
+fn selected_deployment<'d>(what: &str, docs: &'d [Value], selector: &Value) -> &'d Value {
+    let selector = labels(selector);
+    docs.iter()
+        .filter(|d| kind(d).1 == "Deployment")
+        .find(|d| selects(&selector, &labels(d.at("spec.template.metadata.labels"))))
+        .unwrap_or_else(|| panic!("{what}: selects no Deployment of the file"))
+}
+
+/// The item of a list (volumes, ports, env) whose `name` is `n`.
+fn named_item<'v>(list: &'v [Value], n: &str) -> Option<&'v Value> {
+    item_where(list, "name", n)
+}
+
+fn item_where<'v>(list: &'v [Value], key: &str, value: &str) -> Option<&'v Value> {
+    list.iter().find(|v| v.str(key) == Some(value))
+}
+
+/// The volume of `pod` that container `c` mounts at `dir`.
+fn mounted_volume<'p>(what: &str, pod: &'p Value, c: &Value, dir: &str) -> &'p Value {
+    let mount = item_where(c.seq("volumeMounts"), "mountPath", dir)
+        .unwrap_or_else(|| panic!("{what}: nothing is mounted at {dir}"));
+    named_item(pod.seq("volumes"), mount.str("name").expect("name")).expect("volume")
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -1711,17 +1269,11 @@ fn bytes(quantity: &str) -> u64 {
 }
 
 fn containers(deployment: &Value) -> &[Value] {
-    deployment
-        .at("spec.template.spec.containers")
-        .map(Value::seq)
-        .unwrap_or_default()
+    deployment.seq("spec.template.spec.containers")
 }
 
 fn is_rlsd(container: &Value) -> bool {
-    let image = container
-        .get("image")
-        .and_then(Value::str)
-        .unwrap_or_default();
+    let image = container.str("image").unwrap_or_default();
     let repository = image.rsplit('/').next().unwrap_or_default();
     repository == "rlsd" || repository.starts_with("rlsd:") || repository.starts_with("rlsd@")
 }
@@ -1729,16 +1281,19 @@ fn is_rlsd(container: &Value) -> bool {
 /// The container port a probe or Service names (by number or by name).
 fn resolve_port(container_ports: &[Value], port: &Value) -> Option<i64> {
     match port {
-        Value::Int(n) => container_ports
+        Value::String(port_name) => named_item(container_ports, port_name)?.int("containerPort"),
+        _ => container_ports
             .iter()
-            .filter_map(|p| p.get("containerPort").and_then(Value::int))
-            .find(|p| p == n),
-        Value::Str(name) => container_ports
-            .iter()
-            .find(|p| p.get("name").and_then(Value::str) == Some(name))
-            .and_then(|p| p.get("containerPort").and_then(Value::int)),
-        _ => None,
+            .filter_map(|p| p.int("containerPort"))
+            .find(|p| Some(*p) == port.as_i64()),
     }
+}
+
+/// A Service port's `targetPort`, which defaults to its `port`.
+fn target_port(service_port: &Value) -> &Value {
+    service_port
+        .get("targetPort")
+        .unwrap_or(service_port.at("port"))
 }
 
 /// The image's defaults, from deploy/Dockerfile's ENV lines.
@@ -1787,21 +1342,19 @@ impl RlsdSettings {
                 apply_env(&mut values, &env, &value);
             }
         }
-        for e in container.get("env").map(Value::seq).unwrap_or_default() {
-            let env = e.get("name").and_then(Value::str).expect("env name");
-            if !env.starts_with("RLSD_") {
-                continue;
+        for e in container.seq("env") {
+            let env = e.str("name").expect("env name");
+            if env.starts_with("RLSD_") {
+                let value = e
+                    .str("value")
+                    .unwrap_or_else(|| panic!("{what}: {env} must be a string (quote numbers)"));
+                apply_env(&mut values, env, value);
             }
-            let value = e
-                .get("value")
-                .and_then(Value::str)
-                .unwrap_or_else(|| panic!("{what}: {env} must be a string (quote numbers)"));
-            apply_env(&mut values, env, value);
         }
         // `command`, when set, must run `rlsd serve`; otherwise the image's entrypoint does.
         let mut args: Vec<String> = Vec::new();
-        if let Some(command) = container.get("command") {
-            let command: Vec<String> = command.seq().iter().filter_map(Value::text).collect();
+        if container.get("command").is_some() {
+            let command = container.texts("command");
             assert!(
                 command.first().is_some_and(|c| c.ends_with("rlsd"))
                     && command.get(1).map(String::as_str) == Some("serve"),
@@ -1815,10 +1368,10 @@ impl RlsdSettings {
                 "the image's entrypoint runs `rlsd serve`, so args are serve flags"
             );
         }
-        for a in container.get("args").map(Value::seq).unwrap_or_default() {
+        for a in container.seq("args") {
+            let arg = a.as_str();
             args.push(
-                a.str()
-                    .unwrap_or_else(|| panic!("{what}: arg {a:?} must be a string (quote it)"))
+                arg.unwrap_or_else(|| panic!("{what}: arg {a:?} must be a string (quote it)"))
                     .to_owned(),
             );
         }
@@ -1852,6 +1405,11 @@ impl RlsdSettings {
     fn get(&self, flag_name: &str) -> Option<&str> {
         self.values.get(flag_name).map(String::as_str)
     }
+
+    fn port(&self, flag_name: &str) -> i64 {
+        let addr = self.get(flag_name);
+        i64::from(port_of(addr.unwrap_or_else(|| panic!("no {flag_name}"))))
+    }
 }
 
 /// Checks one manifest file: every object is known and well formed on its own and against
@@ -1874,22 +1432,17 @@ fn check_kubernetes_file(file: &str) {
             "Deployment" => check_deployment(&what, doc, &docs),
             "Service" => check_service(&what, doc, &docs),
             "ConfigMap" => {
-                let data = doc.get("data").expect("ConfigMap data");
-                assert!(!data.map().is_empty(), "{what}: empty");
-                for (key, value) in data.map() {
-                    assert!(value.str().is_some(), "{what}: {key} is not a string");
+                let data = doc.get("data").expect("ConfigMap data").as_object();
+                let data = data.filter(|d| !d.is_empty());
+                for (key, value) in data.unwrap_or_else(|| panic!("{what}: empty")) {
+                    assert!(value.is_string(), "{what}: {key} is not a string");
                 }
             }
             "PodDisruptionBudget" => {
-                let selector = labels(doc.at("spec.selector.matchLabels"));
-                let target = docs
-                    .iter()
-                    .filter(|d| kind(d).1 == "Deployment")
-                    .find(|d| selects(&selector, &labels(d.at("spec.template.metadata.labels"))))
-                    .unwrap_or_else(|| panic!("{what}: selects no Deployment of the file"));
-                let replicas = target.at("spec.replicas").and_then(Value::int).unwrap_or(1);
-                let max = doc.at("spec.maxUnavailable").and_then(Value::int);
-                let min = doc.at("spec.minAvailable").and_then(Value::int);
+                let target = selected_deployment(&what, &docs, doc.at("spec.selector.matchLabels"));
+                let replicas = target.int("spec.replicas").unwrap_or(1);
+                let max = doc.int("spec.maxUnavailable");
+                let min = doc.int("spec.minAvailable");
                 assert!(
                     max.is_some() != min.is_some(),
                     "{what}: one of max/minAvailable"
@@ -1905,64 +1458,52 @@ fn check_kubernetes_file(file: &str) {
                 }
             }
             "ServiceMonitor" => {
-                let endpoints = doc.at("spec.endpoints").map(Value::seq).unwrap_or_default();
+                let endpoints = doc.seq("spec.endpoints");
                 assert!(!endpoints.is_empty(), "{what}: no endpoints");
                 for e in endpoints {
-                    assert_eq!(
-                        e.get("path").and_then(Value::str),
-                        Some("/metrics"),
-                        "{what}: path"
-                    );
-                    assert_eq!(e.get("port").and_then(Value::str), Some("http"), "{what}");
+                    assert_eq!(e.str("path"), Some("/metrics"), "{what}: path");
+                    assert_eq!(e.str("port"), Some("http"), "{what}");
                 }
                 assert!(!labels(doc.at("spec.selector.matchLabels")).is_empty());
             }
             "EnvoyFilter" => {
-                let patches = doc
-                    .at("spec.configPatches")
-                    .map(Value::seq)
-                    .unwrap_or_default();
-                assert!(!patches.is_empty(), "{what}: no configPatches");
-                for p in patches {
-                    let apply = p.get("applyTo").and_then(Value::str).unwrap_or_default();
-                    let op = p
-                        .at("patch.operation")
-                        .and_then(Value::str)
-                        .unwrap_or_default();
-                    let value = p.at("patch.value").expect("patch.value");
-                    match (apply, op) {
-                        ("HTTP_FILTER", "INSERT_BEFORE") => {
-                            assert_eq!(
-                                p.at("match.listener.filterChain.filter.subFilter.name")
-                                    .and_then(Value::str),
-                                Some("envoy.filters.http.router"),
-                                "{what}: insert before the router"
-                            );
-                            let f: HttpFilterY = value.decode(&what);
-                            let (_, rate_limit) = http_filter(&f);
-                            assert!(rate_limit.is_some(), "{what}: the rate limit filter");
-                        }
-                        ("VIRTUAL_HOST", "MERGE") => {
-                            let v: VirtualHostPatchY = value.decode(&what);
-                            assert!(!v.rate_limits.is_empty(), "{what}: no rate_limits");
-                            for entry in &v.rate_limits {
-                                let _ = rate_limit_entry(entry).encode_to_vec();
-                            }
-                        }
-                        other => panic!("{what}: patch {other:?} is not modelled"),
-                    }
-                }
+                envoy_filter_patches(&what, doc);
             }
             _ => unreachable!("known kinds"),
         }
     }
 }
 
-/// The value of a VIRTUAL_HOST MERGE patch.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VirtualHostPatchY {
-    rate_limits: Vec<RateLimitY>,
+/// The rate limit filters and `rate_limits` entries an Istio EnvoyFilter patches in.
+fn envoy_filter_patches(
+    what: &str,
+    doc: &Value,
+) -> (Vec<rl_filter::RateLimit>, Vec<route::RateLimit>) {
+    let patches = doc.seq("spec.configPatches");
+    assert!(!patches.is_empty(), "{what}: no configPatches");
+    let (mut filters, mut entries) = (Vec::new(), Vec::new());
+    for p in patches {
+        let value = p.find("patch.value").expect("patch.value");
+        let apply = p.str("applyTo").unwrap_or_default();
+        match (apply, p.str("patch.operation").unwrap_or_default()) {
+            ("HTTP_FILTER", "INSERT_BEFORE") => {
+                assert_eq!(
+                    p.str("match.listener.filterChain.filter.subFilter.name"),
+                    Some("envoy.filters.http.router"),
+                    "{what}: insert before the router"
+                );
+                let (_, rate_limit) = http_filter(&decode(what, value));
+                filters.push(rate_limit.unwrap_or_else(|| panic!("{what}: the rate limit filter")));
+            }
+            ("VIRTUAL_HOST", "MERGE") => {
+                let v: VirtualHostPatchY = decode(what, value);
+                assert!(!v.rate_limits.is_empty(), "{what}: no rate_limits");
+                entries.extend(v.rate_limits.iter().map(rate_limit_entry));
+            }
+            other => panic!("{what}: patch {other:?} is not modelled"),
+        }
+    }
+    (filters, entries)
 }
 
 fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
@@ -1972,91 +1513,74 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
         selects(&selector, &pod_labels),
         "{what}: selector misses its own pods"
     );
-    let pod = doc.at("spec.template.spec").expect("pod spec");
-    let pod_non_root = pod.at("securityContext.runAsNonRoot") == Some(&Value::Bool(true));
-    let volumes = pod.get("volumes").map(Value::seq).unwrap_or_default();
+    let pod = doc.find("spec.template.spec").expect("pod spec");
+    let pod_non_root = pod.is("securityContext.runAsNonRoot", true);
+    let volumes = pod.seq("volumes");
     assert!(!containers(doc).is_empty(), "{what}: no containers");
-    let grace = pod
-        .get("terminationGracePeriodSeconds")
-        .and_then(Value::int)
-        .unwrap_or(30);
+    let grace = pod.int("terminationGracePeriodSeconds").unwrap_or(30);
     let mut port_names = BTreeSet::new();
-    for c in containers(doc) {
-        for p in c.get("ports").map(Value::seq).unwrap_or_default() {
-            if let Some(port_name) = p.get("name").and_then(Value::str) {
-                assert!(
-                    port_name.len() <= 15 && is_dns_label(port_name),
-                    "{what}: port name {port_name}"
-                );
-                assert!(
-                    port_names.insert(port_name.to_owned()),
-                    "{what}: port name {port_name} twice in the pod"
-                );
-            }
+    for p in containers(doc).iter().flat_map(|c| c.seq("ports")) {
+        if let Some(port_name) = p.str("name") {
+            assert!(
+                port_name.len() <= 15 && is_dns_label(port_name),
+                "{what}: port name {port_name}"
+            );
+            assert!(
+                port_names.insert(port_name),
+                "{what}: port name {port_name} twice in the pod"
+            );
         }
     }
     let mut rlsd_drain: Option<f64> = None;
     let mut other_pre_stop = 0;
     for c in containers(doc) {
-        let cname = c.get("name").and_then(Value::str).expect("container name");
+        let cname = c.str("name").expect("container name");
         let what = format!("{what}, container {cname}");
         assert!(is_dns_label(cname), "{what}: name");
-        let image = c.get("image").and_then(Value::str).unwrap_or_default();
+        let image = c.str("image").unwrap_or_default();
         assert!(
             image.contains(':') && !image.ends_with(":latest"),
             "{what}: pin the image tag"
         );
         // Locked down.
-        let sc = c.get("securityContext").expect("securityContext");
+        let sc = c.find("securityContext").expect("securityContext");
         assert!(
-            pod_non_root || sc.get("runAsNonRoot") == Some(&Value::Bool(true)),
+            pod_non_root || sc.is("runAsNonRoot", true),
             "{what}: runAsNonRoot"
         );
-        assert_ne!(sc.get("runAsUser").and_then(Value::int), Some(0), "{what}");
-        assert_eq!(
-            sc.get("readOnlyRootFilesystem"),
-            Some(&Value::Bool(true)),
-            "{what}"
-        );
-        assert_eq!(
-            sc.get("allowPrivilegeEscalation"),
-            Some(&Value::Bool(false)),
-            "{what}"
+        assert_ne!(sc.int("runAsUser"), Some(0), "{what}");
+        assert!(
+            sc.is("readOnlyRootFilesystem", true),
+            "{what}: readOnlyRootFilesystem"
         );
         assert!(
-            sc.at("capabilities.drop")
-                .map(Value::seq)
-                .unwrap_or_default()
-                .iter()
-                .any(|d| d.str() == Some("ALL")),
+            sc.is("allowPrivilegeEscalation", false),
+            "{what}: allowPrivilegeEscalation"
+        );
+        assert!(
+            sc.seq("capabilities.drop").iter().any(|d| d == "ALL"),
             "{what}: drop ALL capabilities"
         );
         // Sized.
-        let requests = c.at("resources.requests").expect("resources.requests");
+        let requests = c.find("resources.requests").expect("resources.requests");
         assert!(requests.get("cpu").is_some(), "{what}: cpu request");
-        let request_memory = requests
-            .get("memory")
-            .and_then(Value::text)
-            .expect("memory");
+        let request_memory = requests.at("memory").text().expect("memory");
         let limit_memory = c
             .at("resources.limits.memory")
-            .and_then(Value::text)
+            .text()
             .unwrap_or_else(|| panic!("{what}: memory limit"));
         assert!(
             bytes(&request_memory) <= bytes(&limit_memory),
             "{what}: memory"
         );
         // Mounts name declared volumes; ConfigMap volumes name ConfigMaps of the file.
-        for m in c.get("volumeMounts").map(Value::seq).unwrap_or_default() {
-            let vname = m.get("name").and_then(Value::str).expect("mount name");
-            let volume = volumes
-                .iter()
-                .find(|v| v.get("name").and_then(Value::str) == Some(vname))
+        for m in c.seq("volumeMounts") {
+            let vname = m.str("name").expect("mount name");
+            let volume = named_item(volumes, vname)
                 .unwrap_or_else(|| panic!("{what}: mount of undeclared volume {vname}"));
-            if let Some(cm) = volume.at("configMap.name").and_then(Value::str) {
+            if let Some(cm) = volume.str("configMap.name") {
                 assert!(
-                    docs.iter()
-                        .any(|d| kind(d).1 == "ConfigMap" && name(d) == cm),
+                    object(docs, "ConfigMap", cm).is_some(),
                     "{what}: ConfigMap {cm} is not in the file"
                 );
                 assert!(
@@ -2065,7 +1589,6 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
                 );
             }
         }
-        let ports = c.get("ports").map(Value::seq).unwrap_or_default();
         if is_rlsd(c) {
             let (drain, shutdown_grace) = check_rlsd_container(&what, c, pod, docs);
             rlsd_drain = Some(drain);
@@ -2076,18 +1599,16 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
                 "{what}: terminationGracePeriodSeconds {grace} must exceed --drain-seconds {drain} plus --shutdown-grace-seconds {shutdown_grace}"
             );
         } else {
-            if let Some(s) = c.at("lifecycle.preStop.sleep.seconds").and_then(Value::int) {
+            if let Some(s) = c.int("lifecycle.preStop.sleep.seconds") {
                 other_pre_stop = other_pre_stop.max(s);
             }
             for probe in ["readinessProbe", "livenessProbe"] {
-                if let Some(p) = c.get(probe) {
-                    let port = p
-                        .at("tcpSocket.port")
-                        .or_else(|| p.at("httpGet.port"))
-                        .or_else(|| p.at("grpc.port"));
-                    if let Some(port) = port {
-                        assert!(resolve_port(ports, port).is_some(), "{what}: {probe} port");
-                    }
+                let port = ["tcpSocket.port", "httpGet.port", "grpc.port"]
+                    .iter()
+                    .find_map(|port| c.at(probe).find(port));
+                if let Some(port) = port {
+                    let resolved = resolve_port(c.seq("ports"), port);
+                    assert!(resolved.is_some(), "{what}: {probe} port");
                 }
             }
         }
@@ -2103,55 +1624,37 @@ fn check_deployment(what: &str, doc: &Value, docs: &[Value]) {
 /// Checks an rlsd container against the binary; returns its drain and shutdown grace seconds.
 fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> (f64, f64) {
     let settings = RlsdSettings::of(c, what);
-    let ports = c.get("ports").map(Value::seq).unwrap_or_default();
-    let grpc = i64::from(port_of(settings.get("--grpc-addr").expect("grpc addr")));
-    let http = i64::from(port_of(settings.get("--http-addr").expect("http addr")));
-    assert_eq!(
-        grpc,
-        i64::from(default_port("--grpc-addr")),
-        "{what}: keep 8081"
-    );
-    assert_eq!(
-        http,
-        i64::from(default_port("--http-addr")),
-        "{what}: keep 8080"
-    );
-    assert_eq!(
-        resolve_port(ports, &Value::Str("grpc".into())),
-        Some(grpc),
-        "{what}: port grpc"
-    );
-    assert_eq!(
-        resolve_port(ports, &Value::Str("http".into())),
-        Some(http),
-        "{what}: port http"
-    );
+    let ports = c.seq("ports");
+    let grpc = settings.port("--grpc-addr");
+    let http = settings.port("--http-addr");
+    for (port, flag_name, port_name) in
+        [(grpc, "--grpc-addr", "grpc"), (http, "--http-addr", "http")]
+    {
+        let default = default_port(flag_name);
+        assert_eq!(port, i64::from(default), "{what}: keep {default}");
+        let named = resolve_port(ports, &Value::from(port_name));
+        assert_eq!(named, Some(port), "{what}: port {port_name}");
+    }
 
     // Probes: /healthcheck, gRPC health for a service rlsd answers, or a TCP connect.
     let redis = settings.get("--redis-url").is_some();
     for probe in ["readinessProbe", "livenessProbe"] {
-        let p = c.get(probe).unwrap_or_else(|| panic!("{what}: no {probe}"));
-        if let Some(get) = p.get("httpGet") {
-            assert_eq!(
-                get.get("path").and_then(Value::str),
-                Some("/healthcheck"),
-                "{what}"
-            );
-            let port = resolve_port(ports, get.get("port").expect("port"));
+        let p = c
+            .find(probe)
+            .unwrap_or_else(|| panic!("{what}: no {probe}"));
+        if let Some(get) = p.find("httpGet") {
+            assert_eq!(get.str("path"), Some("/healthcheck"), "{what}");
+            let port = resolve_port(ports, get.find("port").expect("port"));
             assert_eq!(port, Some(http), "{what}: {probe} on the admin port");
-        } else if let Some(g) = p.get("grpc") {
-            assert_eq!(
-                g.get("port").and_then(Value::int),
-                Some(grpc),
-                "{what}: {probe}"
-            );
-            let service = g.get("service").and_then(Value::str).unwrap_or_default();
+        } else if let Some(g) = p.find("grpc") {
+            assert_eq!(g.int("port"), Some(grpc), "{what}: {probe}");
+            let service = g.str("service").unwrap_or_default();
             assert!(
                 ["", "ratelimit"].contains(&service),
                 "{what}: {probe} service {service}"
             );
-        } else if let Some(t) = p.get("tcpSocket") {
-            let port = resolve_port(ports, t.get("port").expect("port"));
+        } else if let Some(t) = p.find("tcpSocket") {
+            let port = resolve_port(ports, t.find("port").expect("port"));
             assert!(
                 port == Some(grpc) || port == Some(http),
                 "{what}: {probe} port"
@@ -2171,53 +1674,23 @@ fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> (
     let config = settings
         .get("--config")
         .unwrap_or_else(|| panic!("{what}: no --config / RLSD_CONFIG"));
-    let mount = c
-        .get("volumeMounts")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .find(|m| m.get("mountPath").and_then(Value::str) == Some(config))
-        .unwrap_or_else(|| panic!("{what}: nothing is mounted at --config {config}"));
+    // A subPath mount is refused for every ConfigMap volume, in check_deployment.
+    let volume = mounted_volume(what, pod, c, config);
     assert!(
-        mount.get("subPath").is_none(),
-        "{what}: mount the directory, not a subPath"
-    );
-    let vname = mount.get("name").and_then(Value::str).expect("name");
-    let volume = pod
-        .get("volumes")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .find(|v| v.get("name").and_then(Value::str) == Some(vname))
-        .expect("volume");
-    assert!(
-        volume.at("configMap.items").is_none(),
+        volume.find("configMap.items").is_none(),
         "{what}: items would hide new files"
     );
     let cm_name = volume
-        .at("configMap.name")
-        .and_then(Value::str)
+        .str("configMap.name")
         .unwrap_or_else(|| panic!("{what}: --config is not a ConfigMap"));
-    let cm = docs
-        .iter()
-        .find(|d| kind(d).1 == "ConfigMap" && name(d) == cm_name)
-        .expect("ConfigMap");
+    let cm = object(docs, "ConfigMap", cm_name).expect("ConfigMap");
     let mut domains = BTreeSet::new();
-    for (key, text) in cm.get("data").map(Value::map).unwrap_or_default() {
-        if !(key.ends_with(".yaml") || key.ends_with(".yml")) {
+    for (key, text) in cm.at("data").as_object().into_iter().flatten() {
+        if !is_yaml(key) {
             continue;
         }
-        let text = text.str().expect("string");
-        let domain = rlsd::config::load_str(key, text).unwrap_or_else(|errors| {
-            panic!(
-                "{what}: ConfigMap {cm_name} {key} does not load: {}",
-                errors
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )
-        });
+        let text = text.as_str().expect("string");
+        let domain = load_config(&format!("{what}: ConfigMap {cm_name} {key}"), key, text);
         assert!(
             domains.insert(domain.name.clone()),
             "{what}: duplicate domain"
@@ -2246,17 +1719,13 @@ fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> (
         let (host, port) = hostport.split_once(':').unwrap_or((hostport, "6379"));
         let service = host.split('.').next().unwrap_or_default();
         let port: i64 = port.parse().expect("port");
-        let target = docs
-            .iter()
-            .find(|d| kind(d).1 == "Service" && name(d) == service)
+        let target = object(docs, "Service", service)
             .unwrap_or_else(|| panic!("{what}: no Service {service} for {url}"));
         assert!(
             target
-                .at("spec.ports")
-                .map(Value::seq)
-                .unwrap_or_default()
+                .seq("spec.ports")
                 .iter()
-                .any(|p| p.get("port").and_then(Value::int) == Some(port)),
+                .any(|p| p.int("port") == Some(port)),
             "{what}: Service {service} has no port {port}"
         );
     }
@@ -2276,31 +1745,23 @@ fn check_rlsd_container(what: &str, c: &Value, pod: &Value, docs: &[Value]) -> (
 }
 
 fn check_service(what: &str, doc: &Value, docs: &[Value]) {
-    let selector = labels(doc.at("spec.selector"));
-    let backend = docs
-        .iter()
-        .filter(|d| kind(d).1 == "Deployment")
-        .find(|d| selects(&selector, &labels(d.at("spec.template.metadata.labels"))))
-        .unwrap_or_else(|| panic!("{what}: selects no Deployment of the file"));
+    let backend = selected_deployment(what, docs, doc.at("spec.selector"));
     let container_ports: Vec<Value> = containers(backend)
         .iter()
-        .flat_map(|c| c.get("ports").map(Value::seq).unwrap_or_default())
+        .flat_map(|c| c.seq("ports"))
         .cloned()
         .collect();
-    let ports = doc.at("spec.ports").map(Value::seq).unwrap_or_default();
+    let ports = doc.seq("spec.ports");
     assert!(!ports.is_empty(), "{what}: no ports");
     for p in ports {
-        let port = p.get("port").and_then(Value::int).expect("port");
-        let target = p.get("targetPort").cloned().unwrap_or(Value::Int(port));
+        assert!(p.int("port").is_some(), "{what}: a port without a number");
+        let target = target_port(p);
         assert!(
-            resolve_port(&container_ports, &target).is_some(),
+            resolve_port(&container_ports, target).is_some(),
             "{what}: targetPort {target:?} is no container port of {}",
             name(backend)
         );
-        assert!(
-            p.get("name").and_then(Value::str).is_some(),
-            "{what}: name every port"
-        );
+        assert!(p.str("name").is_some(), "{what}: name every port");
     }
 }
 
@@ -2328,19 +1789,12 @@ fn sidecar_envoy_runs_deploy_envoy_yaml_against_its_rlsd() {
     let envoy = containers(&deployment)
         .iter()
         .find(|c| {
-            c.get("image")
-                .and_then(Value::str)
+            c.str("image")
                 .is_some_and(|i| i.starts_with("envoyproxy/envoy"))
         })
         .expect("an Envoy container");
     // Envoy's config file, through its mount, is deploy/envoy.yaml verbatim.
-    let args: Vec<String> = envoy
-        .get("args")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .filter_map(Value::text)
-        .collect();
+    let args = envoy.texts("args");
     let at = args
         .iter()
         .position(|a| a == "-c" || a == "--config-path")
@@ -2351,32 +1805,13 @@ fn sidecar_envoy_runs_deploy_envoy_yaml_against_its_rlsd() {
         .file_name()
         .and_then(|f| f.to_str())
         .expect("file");
-    let mount = envoy
-        .get("volumeMounts")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .find(|m| m.get("mountPath").and_then(Value::str) == Some(dir))
-        .cloned()
-        .expect("Envoy's config directory is mounted");
-    let vname = mount.get("name").and_then(Value::str).expect("name");
-    let cm_name = deployment
-        .at("spec.template.spec.volumes")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .find(|v| v.get("name").and_then(Value::str) == Some(vname))
-        .and_then(|v| v.at("configMap.name").and_then(Value::str))
-        .expect("a ConfigMap volume")
-        .to_owned();
-    let cm = docs
-        .iter()
-        .find(|d| kind(d).1 == "ConfigMap" && name(d) == cm_name)
-        .expect("the Envoy ConfigMap");
+    let volume = mounted_volume(file, deployment.at("spec.template.spec"), envoy, dir);
+    let cm_name = volume.str("configMap.name").expect("a ConfigMap volume");
+    let cm = object(&docs, "ConfigMap", cm_name).expect("the Envoy ConfigMap");
     let text = cm
-        .get("data")
-        .and_then(|d| d.get(key))
-        .and_then(Value::str)
+        .at("data")
+        .get(key)
+        .and_then(Value::as_str)
         .unwrap_or_else(|| panic!("ConfigMap {cm_name} has no {key}"));
     assert_eq!(
         text,
@@ -2385,45 +1820,20 @@ fn sidecar_envoy_runs_deploy_envoy_yaml_against_its_rlsd() {
     );
     let (y, built) = envoy_bootstrap_text(&format!("{file}: {cm_name}"), text);
     let rl = rate_limiting(&built);
-
-    // Headers from one side only.
-    let envoy_headers = rl.filter.enable_x_ratelimit_headers
-        == rl_filter::rate_limit::XRateLimitHeadersRfcVersion::DraftVersion03 as i32;
-    assert_eq!(
-        settings.get("--headers") == Some("off"),
-        envoy_headers,
-        "{file}: Envoy's enable_x_ratelimit_headers and rlsd's --headers must not both add headers (nor neither)"
-    );
+    assert_headers_from_one_side(file, &rl.filter, &settings);
     // Envoy's rlsd cluster is this rlsd's gRPC port; its listener is the Envoy container's port.
-    let service = rl.filter.rate_limit_service.as_ref().expect("service");
-    let Some(core::grpc_service::TargetSpecifier::EnvoyGrpc(grpc)) = service
-        .grpc_service
-        .as_ref()
-        .and_then(|g| g.target_specifier.as_ref())
-    else {
-        panic!("envoy_grpc");
-    };
-    let resources = built.static_resources.as_ref().expect("resources");
-    let c = resources
-        .clusters
-        .iter()
-        .find(|c| c.name == grpc.cluster_name)
-        .expect("cluster");
-    let (_, port) = only_endpoint(c);
+    let (_, port) = only_endpoint(cluster_named(&built, &rlsd_target(&rl.filter).cluster_name));
     assert_eq!(
-        port,
-        u32::from(port_of(settings.get("--grpc-addr").expect("grpc"))),
+        i64::from(port),
+        settings.port("--grpc-addr"),
         "{file}: Envoy must call the sidecar's gRPC port"
     );
-    let listener_port = i64::from(
-        y.static_resources.listeners[0]
-            .address
-            .socket_address
-            .port_value,
-    );
-    let ports = envoy.get("ports").map(Value::seq).unwrap_or_default();
+    let listener_port = y.static_resources.listeners[0]
+        .address
+        .socket_address
+        .port_value;
     assert!(
-        resolve_port(ports, &Value::Int(listener_port)).is_some(),
+        resolve_port(envoy.seq("ports"), &Value::from(listener_port)).is_some(),
         "{file}: the Envoy container must expose its listener port {listener_port}"
     );
 }
@@ -2431,50 +1841,28 @@ fn sidecar_envoy_runs_deploy_envoy_yaml_against_its_rlsd() {
 #[test]
 fn istio_filters_point_at_the_standalone_rlsd() {
     let file = "deploy/istio/envoyfilter.yaml";
-    let filters = yaml_documents(file);
     let (standalone, _, rlsd) = rlsd_in("deploy/kubernetes/standalone.yaml");
     let settings = RlsdSettings::of(&rlsd, "standalone rlsd");
-    let mut filter: Option<rl_filter::RateLimit> = None;
-    let mut entries: Vec<route::RateLimit> = Vec::new();
-    for doc in &filters {
-        for p in doc
-            .at("spec.configPatches")
-            .map(Value::seq)
-            .unwrap_or_default()
-        {
-            assert_eq!(p.at("match.context").and_then(Value::str), Some("GATEWAY"));
-            let value = p.at("patch.value").expect("value");
-            match p.get("applyTo").and_then(Value::str) {
-                Some("HTTP_FILTER") => {
-                    let f: HttpFilterY = value.decode(file);
-                    assert!(filter.is_none(), "one rate limit filter");
-                    filter = http_filter(&f).1;
-                }
-                Some("VIRTUAL_HOST") => {
-                    let v: VirtualHostPatchY = value.decode(file);
-                    entries.extend(v.rate_limits.iter().map(rate_limit_entry));
-                }
-                other => panic!("{other:?}"),
-            }
+    let (mut filters, mut entries) = (Vec::new(), Vec::new());
+    for doc in &yaml_documents(file) {
+        for p in doc.seq("spec.configPatches") {
+            assert_eq!(p.str("match.context"), Some("GATEWAY"));
         }
+        let (f, e) = envoy_filter_patches(file, doc);
+        filters.extend(f);
+        entries.extend(e);
     }
+    assert_eq!(filters.len(), 1, "one rate limit filter");
     let rl = EnvoyRateLimiting {
-        filter: filter.expect("an HTTP_FILTER patch"),
+        filter: filters.remove(0),
         entries,
         use_remote_address: true, // Istio gateways set it.
     };
-    check_against_example("deploy/istio/envoyfilter.yaml", &rl);
+    check_against_example(file, &rl);
 
     // outbound|<port>||<service>.<namespace>.svc.cluster.local is the standalone Service's
     // gRPC port.
-    let service = rl.filter.rate_limit_service.as_ref().expect("service");
-    let Some(core::grpc_service::TargetSpecifier::EnvoyGrpc(grpc)) = service
-        .grpc_service
-        .as_ref()
-        .and_then(|g| g.target_specifier.as_ref())
-    else {
-        panic!("envoy_grpc");
-    };
+    let grpc = rlsd_target(&rl.filter);
     let parts: Vec<&str> = grpc.cluster_name.split('|').collect();
     assert_eq!(parts.len(), 4, "{}", grpc.cluster_name);
     assert_eq!(parts[0], "outbound");
@@ -2487,19 +1875,13 @@ fn istio_filters_point_at_the_standalone_rlsd() {
         .find(|d| kind(d).1 == "Service" && name(d) == host[0] && namespace(d) == host[1])
         .unwrap_or_else(|| panic!("no Service {}.{} in standalone.yaml", host[0], host[1]));
     let svc_port = svc
-        .at("spec.ports")
-        .map(Value::seq)
-        .unwrap_or_default()
+        .seq("spec.ports")
         .iter()
-        .find(|p| p.get("port").and_then(Value::int) == Some(port))
-        .cloned()
+        .find(|p| p.int("port") == Some(port))
         .unwrap_or_else(|| panic!("Service {} has no port {port}", host[0]));
     // Istio picks the protocol from appProtocol, else from the port name's prefix.
-    let port_name = svc_port
-        .get("name")
-        .and_then(Value::str)
-        .unwrap_or_default();
-    let grpc_port = match svc_port.get("appProtocol").and_then(Value::str) {
+    let port_name = svc_port.str("name").unwrap_or_default();
+    let grpc_port = match svc_port.str("appProtocol") {
         Some(protocol) => ["grpc", "http2", "kubernetes.io/h2c"].contains(&protocol),
         None => port_name == "grpc" || port_name.starts_with("grpc-"),
     };
@@ -2507,28 +1889,12 @@ fn istio_filters_point_at_the_standalone_rlsd() {
         grpc_port,
         "Istio must know the Service port is gRPC (HTTP/2)"
     );
-    let target = svc_port
-        .get("targetPort")
-        .cloned()
-        .unwrap_or(Value::Int(port));
     assert_eq!(
-        resolve_port(
-            rlsd.get("ports").map(Value::seq).unwrap_or_default(),
-            &target
-        ),
-        Some(i64::from(port_of(
-            settings.get("--grpc-addr").expect("grpc")
-        ))),
+        resolve_port(rlsd.seq("ports"), target_port(svc_port)),
+        Some(settings.port("--grpc-addr")),
         "the Service's gRPC port must reach rlsd's --grpc-addr"
     );
-    // Headers from one side only.
-    let envoy_headers = rl.filter.enable_x_ratelimit_headers
-        == rl_filter::rate_limit::XRateLimitHeadersRfcVersion::DraftVersion03 as i32;
-    assert_eq!(
-        settings.get("--headers") == Some("off"),
-        envoy_headers,
-        "the gateway's enable_x_ratelimit_headers and rlsd's RLSD_HEADERS must not both add headers"
-    );
+    assert_headers_from_one_side(file, &rl.filter, &settings);
 }
 
 #[test]
@@ -2540,26 +1906,15 @@ fn standalone_rlsd_shares_redis_and_is_monitored() {
         "replicas share their counts only through Redis"
     );
     assert!(
-        rlsd.get("env")
-            .map(Value::seq)
-            .unwrap_or_default()
-            .iter()
-            .any(|e| e.get("name").and_then(Value::str) == Some("RLSD_REDIS_URL")),
+        named_item(rlsd.seq("env"), "RLSD_REDIS_URL").is_some(),
         "the Redis URL comes from RLSD_REDIS_URL"
     );
-    assert_eq!(deployment.at("spec.replicas").and_then(Value::int), Some(3));
+    assert_eq!(deployment.int("spec.replicas"), Some(3));
     assert!(docs.iter().any(|d| kind(d).1 == "PodDisruptionBudget"));
 
     // The ServiceMonitor selects the rlsd Service, whose `http` port is rlsd's admin port.
     let monitor = &yaml_documents("deploy/prometheus/servicemonitor.yaml")[0];
     let selector = labels(monitor.at("spec.selector.matchLabels"));
-    let namespaces: Vec<String> = monitor
-        .at("spec.namespaceSelector.matchNames")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .filter_map(Value::text)
-        .collect();
     let services: Vec<&Value> = docs
         .iter()
         .filter(|d| kind(d).1 == "Service" && selects(&selector, &labels(d.at("metadata.labels"))))
@@ -2569,31 +1924,21 @@ fn standalone_rlsd_shares_redis_and_is_monitored() {
         1,
         "the ServiceMonitor selects the rlsd Service only"
     );
+    let namespaces = monitor.texts("spec.namespaceSelector.matchNames");
     assert!(namespaces.iter().any(|n| n == namespace(services[0])));
     let port_name = monitor
-        .at("spec.endpoints")
-        .map(Value::seq)
-        .and_then(|e| e.first())
-        .and_then(|e| e.get("port"))
-        .and_then(Value::str)
+        .seq("spec.endpoints")
+        .first()
+        .and_then(|e| e.str("port"))
         .expect("port");
-    let svc_port = services[0]
-        .at("spec.ports")
-        .map(Value::seq)
-        .unwrap_or_default()
-        .iter()
-        .find(|p| p.get("name").and_then(Value::str) == Some(port_name))
-        .cloned()
+    let svc_port = named_item(services[0].seq("spec.ports"), port_name)
         .expect("the Service port the ServiceMonitor names");
-    let target = svc_port.get("targetPort").cloned().expect("targetPort");
     assert_eq!(
         resolve_port(
-            rlsd.get("ports").map(Value::seq).unwrap_or_default(),
-            &target
+            rlsd.seq("ports"),
+            svc_port.get("targetPort").expect("targetPort")
         ),
-        Some(i64::from(port_of(
-            settings.get("--http-addr").expect("http")
-        ))),
+        Some(settings.port("--http-addr")),
         "the monitored port must be rlsd's --http-addr"
     );
 }
@@ -2602,48 +1947,27 @@ fn standalone_rlsd_shares_redis_and_is_monitored() {
 
 fn check_prometheus_config(file: &str) {
     let doc = &yaml_documents(file)[0];
-    let jobs = doc
-        .get("scrape_configs")
-        .map(Value::seq)
-        .unwrap_or_default();
-    let job = jobs
+    let job = doc
+        .seq("scrape_configs")
         .iter()
-        .find(|j| j.get("job_name").and_then(Value::str) == Some("rlsd"))
+        .find(|j| j.str("job_name") == Some("rlsd"))
         .unwrap_or_else(|| panic!("{file}: no job rlsd"));
-    assert_eq!(
-        job.get("metrics_path").and_then(Value::str),
-        Some("/metrics"),
-        "{file}"
-    );
+    assert_eq!(job.str("metrics_path"), Some("/metrics"), "{file}");
     let http = default_port("--http-addr").to_string();
     let keeps: Vec<(String, String)> = job
-        .get("relabel_configs")
-        .map(Value::seq)
-        .unwrap_or_default()
+        .seq("relabel_configs")
         .iter()
-        .filter(|r| r.get("action").and_then(Value::str) == Some("keep"))
+        .filter(|r| r.str("action") == Some("keep"))
         .map(|r| {
-            let source = r
-                .get("source_labels")
-                .map(Value::seq)
-                .unwrap_or_default()
-                .iter()
-                .filter_map(Value::text)
-                .collect::<Vec<_>>()
-                .join(";");
-            (
-                source,
-                r.get("regex").and_then(Value::text).unwrap_or_default(),
-            )
+            let regex = r.at("regex").text().unwrap_or_default();
+            (r.texts("source_labels").join(";"), regex)
         })
         .collect();
     assert!(
-        keeps
-            .iter()
-            .any(
-                |(s, r)| (s == "__meta_kubernetes_pod_container_port_number" && *r == http)
-                    || (s == "__meta_kubernetes_pod_container_port_name" && r == "http")
-            ),
+        keeps.iter().any(|(s, r)| {
+            (s == "__meta_kubernetes_pod_container_port_number" && *r == http)
+                || (s == "__meta_kubernetes_pod_container_port_name" && r == "http")
+        }),
         "{file}: keep only rlsd's admin port ({http} / http): {keeps:?}"
     );
     // The container-name filter matches the rlsd containers of the manifests.
@@ -2656,9 +1980,9 @@ fn check_prometheus_config(file: &str) {
             "deploy/kubernetes/standalone.yaml",
         ] {
             let (_, _, c) = rlsd_in(manifest);
-            let cname = c.get("name").and_then(Value::str).expect("name");
             assert_eq!(
-                cname, regex,
+                c.str("name").expect("name"),
+                regex,
                 "{file}: {manifest}'s rlsd container would not be kept"
             );
         }
@@ -2669,15 +1993,11 @@ fn check_prometheus_config(file: &str) {
 
 /// The instructions of deploy/Dockerfile: (INSTRUCTION, rest), continuations joined.
 fn dockerfile() -> Vec<(String, String)> {
-    let text = read("deploy/Dockerfile");
     let mut out = Vec::new();
     let mut pending = String::new();
-    for line in text.lines() {
+    for line in read("deploy/Dockerfile").lines() {
         let trimmed = line.trim();
-        if pending.is_empty() && (trimmed.starts_with('#') || trimmed.is_empty()) {
-            continue;
-        }
-        if trimmed.starts_with('#') {
+        if trimmed.starts_with('#') || (pending.is_empty() && trimmed.is_empty()) {
             continue;
         }
         if let Some(part) = trimmed.strip_suffix('\\') {
@@ -2705,8 +2025,7 @@ fn dockerfile_entrypoint() -> Vec<String> {
         .iter()
         .rfind(|(op, _)| op == "ENTRYPOINT")
         .expect("ENTRYPOINT in the final stage");
-    let array: Value = serde_saphyr::from_str(rest).expect("ENTRYPOINT in exec (JSON) form");
-    array.seq().iter().filter_map(Value::text).collect()
+    serde_json::from_str(rest).expect("ENTRYPOINT in exec (JSON) form")
 }
 
 fn check_dockerfile(file: &str) {
@@ -2747,37 +2066,34 @@ fn check_dockerfile(file: &str) {
     }
     // The build reads lua/ (embedded) and proto/ (build.rs); both must be copied.
     for needed in ["src", "proto", "lua", "Cargo.lock", "build.rs"] {
+        let copied = |r: &String| {
+            r.split_whitespace()
+                .any(|w| w.trim_end_matches('/') == needed)
+        };
         assert!(
-            all.iter().any(|(op, r)| op == "COPY"
-                && r.split_whitespace()
-                    .any(|w| w.trim_end_matches('/') == needed)),
+            all.iter().any(|(op, r)| op == "COPY" && copied(r)),
             "{file}: the build needs {needed}"
         );
     }
     let stage = dockerfile_final_stage();
-    let base = &stage[0].1;
-    let user = stage
-        .iter()
-        .rfind(|(op, _)| op == "USER")
-        .map(|(_, u)| u.clone());
-    let non_root = match &user {
-        Some(u) => {
-            let who = u.split(':').next().unwrap_or_default();
-            who != "0" && who != "root"
-        }
-        None => base.ends_with(":nonroot"),
+    let non_root = match stage.iter().rfind(|(op, _)| op == "USER") {
+        Some((_, user)) => !["0", "root"].contains(&user.split(':').next().unwrap_or_default()),
+        None => stage[0].1.ends_with(":nonroot"),
     };
     assert!(
         non_root,
         "{file}: the runtime stage runs as a non-root user"
     );
-    let exposed: BTreeSet<String> = stage
+    let exposed: BTreeSet<&str> = stage
         .iter()
         .filter(|(op, _)| op == "EXPOSE")
-        .flat_map(|(_, r)| r.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .flat_map(|(_, r)| r.split_whitespace())
         .collect();
     for port in [default_port("--http-addr"), default_port("--grpc-addr")] {
-        assert!(exposed.contains(&port.to_string()), "{file}: EXPOSE {port}");
+        assert!(
+            exposed.contains(port.to_string().as_str()),
+            "{file}: EXPOSE {port}"
+        );
     }
     let entrypoint = dockerfile_entrypoint();
     assert!(
@@ -2796,11 +2112,13 @@ fn check_dockerfile(file: &str) {
         );
     }
     let config = env.get("RLSD_CONFIG").expect("ENV RLSD_CONFIG");
+    let ships = |r: &String| {
+        r.split_whitespace()
+            .last()
+            .is_some_and(|d| d.starts_with(config.as_str()))
+    };
     assert!(
-        stage.iter().any(|(op, r)| op == "COPY"
-            && r.split_whitespace()
-                .last()
-                .is_some_and(|d| d.starts_with(config.as_str()))),
+        stage.iter().any(|(op, r)| op == "COPY" && ships(r)),
         "{file}: the image ships a config under {config}"
     );
 }
@@ -2814,18 +2132,20 @@ fn dashboard(file: &str) -> Value {
 /// Every PromQL expression of a dashboard: panel `expr`s and template `label_values(...)`.
 fn expressions(v: &Value, out: &mut Vec<String>) {
     match v {
-        Value::Map(entries) => {
+        Value::Object(entries) => {
             for (k, v) in entries {
                 match (k.as_str(), v) {
-                    ("expr", Value::Str(e)) => out.push(e.clone()),
-                    ("query" | "definition", Value::Str(q)) if q.starts_with("label_values(") => {
+                    ("expr", Value::String(e)) => out.push(e.clone()),
+                    ("query" | "definition", Value::String(q))
+                        if q.starts_with("label_values(") =>
+                    {
                         out.push(q.clone());
                     }
                     _ => expressions(v, out),
                 }
             }
         }
-        Value::Seq(items) => items.iter().for_each(|i| expressions(i, out)),
+        Value::Array(items) => items.iter().for_each(|i| expressions(i, out)),
         _ => {}
     }
 }
@@ -2834,35 +2154,9 @@ fn expressions(v: &Value, out: &mut Vec<String>) {
 /// aggregations, keywords, label names or grouping labels. Strings, `{...}` matchers and
 /// `[...]` ranges are skipped.
 fn metric_names(expr: &str) -> Vec<String> {
-    const KEYWORDS: &[&str] = &[
-        "by",
-        "without",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
-        "bool",
-        "and",
-        "or",
-        "unless",
-        "offset",
-        "sum",
-        "min",
-        "max",
-        "avg",
-        "group",
-        "stddev",
-        "stdvar",
-        "count",
-        "count_values",
-        "bottomk",
-        "topk",
-        "quantile",
-        "limitk",
-        "limit_ratio",
-        "inf",
-        "nan",
-    ];
+    const GROUPING: &str = "by without on ignoring group_left group_right";
+    const KEYWORDS: &str = "bool and or unless offset sum min max avg group stddev stdvar count \
+        count_values bottomk topk quantile limitk limit_ratio inf nan";
     let label_values = expr.strip_prefix("label_values(");
     let expr = label_values
         .and_then(|rest| rest.split(',').next())
@@ -2921,18 +2215,10 @@ fn metric_names(expr: &str) -> Vec<String> {
                 }
                 let is_call = chars.get(j) == Some(&'(');
                 let lower = word.to_ascii_lowercase();
-                if [
-                    "by",
-                    "without",
-                    "on",
-                    "ignoring",
-                    "group_left",
-                    "group_right",
-                ]
-                .contains(&lower.as_str())
-                {
+                let is = |list: &str| list.split_whitespace().any(|w| w == lower);
+                if is(GROUPING) {
                     skip_group = true;
-                } else if !(is_call || KEYWORDS.contains(&lower.as_str())) {
+                } else if !(is_call || is(KEYWORDS)) {
                     names.push(word);
                 }
             }
@@ -2972,29 +2258,24 @@ fn check_dashboard_shape(file: &str, d: &Value) {
         assert!(d.get(key).is_some(), "{file}: no {key}");
     }
     let variables: Vec<&str> = d
-        .at("templating.list")
-        .map(Value::seq)
-        .unwrap_or_default()
+        .seq("templating.list")
         .iter()
-        .filter_map(|v| v.get("name").and_then(Value::str))
+        .filter_map(|v| v.str("name"))
         .collect();
-    let panels = d.get("panels").map(Value::seq).unwrap_or_default();
+    let panels = d.seq("panels");
     assert!(!panels.is_empty(), "{file}: no panels");
     let mut ids = BTreeSet::new();
     for p in panels {
-        let title = p.get("title").and_then(Value::str).unwrap_or_default();
+        let title = p.str("title").unwrap_or_default();
         assert!(!title.is_empty(), "{file}: a panel without a title");
-        assert!(
-            ids.insert(p.get("id").and_then(Value::int).expect("id")),
-            "{file}: id"
-        );
+        assert!(ids.insert(p.int("id").expect("id")), "{file}: id");
         assert!(p.get("gridPos").is_some(), "{file}: {title}: gridPos");
-        let targets = p.get("targets").map(Value::seq).unwrap_or_default();
+        let targets = p.seq("targets");
         assert!(!targets.is_empty(), "{file}: {title}: no queries");
         let mut refs = BTreeSet::new();
         for t in targets {
-            assert!(refs.insert(t.get("refId").and_then(Value::str).expect("refId")));
-            let expr = t.get("expr").and_then(Value::str).expect("expr");
+            assert!(refs.insert(t.str("refId").expect("refId")));
+            let expr = t.str("expr").expect("expr");
             // Every $variable it uses is defined (Grafana's own start with `__`).
             for var in expr.split('$').skip(1) {
                 let var: String = var
@@ -3007,10 +2288,7 @@ fn check_dashboard_shape(file: &str, d: &Value) {
                 );
             }
         }
-        let ds = p
-            .at("datasource.uid")
-            .and_then(Value::str)
-            .unwrap_or_default();
+        let ds = p.str("datasource.uid").unwrap_or_default();
         assert!(
             ds.starts_with("${") && variables.contains(&&ds[2..ds.len() - 1]),
             "{file}: {title}: datasource through a variable, so any Prometheus works"
@@ -3020,36 +2298,22 @@ fn check_dashboard_shape(file: &str, d: &Value) {
 
 // === A real rlsd =================================================================================
 
-use crate::common::process;
-
-use process::Rlsd;
-
 async fn http_get(addr: SocketAddr, target: &str) -> std::io::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(
-            format!("GET {target} HTTP/1.1\r\nHost: rlsd\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await?;
+    let request = format!("GET {target} HTTP/1.1\r\nHost: rlsd\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await?;
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, body.to_owned()))
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    Ok((status.unwrap_or(0), body.to_owned()))
 }
 
 /// `rlsd serve` on the example config with `extra` flags, healthy.
 async fn start_rlsd(extra: &[&str]) -> Rlsd {
-    let config = path(EXAMPLE);
-    let args = ["--config".as_ref(), config.as_os_str()]
-        .into_iter()
-        .chain(extra.iter().map(|arg| arg.as_ref()));
-    let rlsd = Rlsd::serve(args.collect::<Vec<&std::ffi::OsStr>>());
+    let config = path(EXAMPLE).display().to_string();
+    let rlsd = Rlsd::serve([&["--config", config.as_str()], extra].concat());
     let (status, body) = http_get(rlsd.http, "/healthcheck")
         .await
         .expect("healthcheck");
@@ -3058,14 +2322,12 @@ async fn start_rlsd(extra: &[&str]) -> Rlsd {
 }
 
 fn descriptor_of(entries: &[(String, String)]) -> rlsd::pb::RateLimitDescriptor {
+    let entry = |(key, value): &(String, String)| rlsd::pb::rate_limit_descriptor::Entry {
+        key: key.clone(),
+        value: value.clone(),
+    };
     rlsd::pb::RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| rlsd::pb::rate_limit_descriptor::Entry {
-                key: key.clone(),
-                value: value.clone(),
-            })
-            .collect(),
+        entries: entries.iter().map(entry).collect(),
         ..Default::default()
     }
 }
@@ -3098,17 +2360,10 @@ async fn the_dashboard_and_probes_match_a_running_rlsd() {
     let rl = rate_limiting(&built);
     let request_for = |client_ip: &str, key: &str| {
         let headers = [("x-plan", "free"), ("x-api-key", key)];
-        let sample = Sample {
-            client: client_ip,
-            path: "/search",
-            headers: &headers,
-        };
+        let descriptors = envoy_descriptors(&rl, &Sample::new(client_ip, "/search", &headers));
         rlsd::pb::RateLimitRequest {
             domain: rl.filter.domain.clone(),
-            descriptors: envoy_descriptors(&rl, &sample)
-                .iter()
-                .map(|d| descriptor_of(d))
-                .collect(),
+            descriptors: descriptors.iter().map(|d| descriptor_of(d)).collect(),
             ..Default::default()
         }
     };
@@ -3145,17 +2400,18 @@ async fn the_dashboard_and_probes_match_a_running_rlsd() {
     ] {
         let (_, _, c) = rlsd_in(file);
         for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
-            if let Some(g) = c.get(probe).and_then(|p| p.get("grpc")) {
-                services.insert(g.get("service").and_then(Value::text).unwrap_or_default());
+            if let Some(g) = c.at(probe).find("grpc") {
+                services.insert(g.at("service").text().unwrap_or_default());
             }
         }
     }
     assert!(!services.is_empty(), "some probe uses gRPC health");
     for service in services {
+        let request = tonic_health::pb::HealthCheckRequest {
+            service: service.clone(),
+        };
         let status = health
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: service.clone(),
-            })
+            .check(request)
             .await
             .unwrap_or_else(|e| panic!("health of `{service}`: {e}"))
             .into_inner()
@@ -3181,21 +2437,19 @@ async fn the_dashboard_and_probes_match_a_running_rlsd() {
     for file in &files {
         expressions(&dashboard(file), &mut expressions_found);
     }
+    let type_of = |name: &str| types.get(name).map(String::as_str);
     let mut used = BTreeSet::new();
     for expr in &expressions_found {
         let names = metric_names(expr);
         assert!(!names.is_empty(), "`{expr}` reads no metric");
         for metric in names {
-            let known = match types.get(&metric) {
-                Some(_) => true,
-                None => ["_bucket", "_sum", "_count"].iter().any(|suffix| {
+            let known = type_of(&metric).is_some()
+                || ["_bucket", "_sum", "_count"].iter().any(|suffix| {
                     metric.strip_suffix(suffix).is_some_and(|base| {
-                        types.get(base).map(String::as_str) == Some("histogram")
-                            || (*suffix != "_bucket"
-                                && types.get(base).map(String::as_str) == Some("summary"))
+                        type_of(base) == Some("histogram")
+                            || (*suffix != "_bucket" && type_of(base) == Some("summary"))
                     })
-                }),
-            };
+                });
             assert!(
                 known,
                 "the dashboard queries `{metric}` (in `{expr}`), which rlsd does not export; it exports {:?}",
@@ -3232,38 +2486,32 @@ fn envoy_gateway_config_runs_rlsd_as_its_rate_limit_service() {
         .unwrap_or_else(|| panic!("{file}: no ConfigMap"));
     // The name and namespace Envoy Gateway's Helm chart reads its config from.
     assert_eq!(name(map), "envoy-gateway-config");
-    assert_eq!(
-        map.at("metadata.namespace").and_then(Value::str),
-        Some("envoy-gateway-system")
-    );
+    assert_eq!(map.str("metadata.namespace"), Some("envoy-gateway-system"));
     let text = map
         .at("data")
-        .and_then(|data| data.get("envoy-gateway.yaml"))
-        .and_then(Value::str)
+        .get("envoy-gateway.yaml")
+        .and_then(Value::as_str)
         .unwrap_or_else(|| panic!("{file}: no envoy-gateway.yaml"));
     let config: Value = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{file}: {e}"));
     assert_eq!(
         kind(&config),
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyGateway")
     );
-    assert_eq!(
-        config.at("provider.type").and_then(Value::str),
-        Some("Kubernetes")
-    );
+    assert_eq!(config.str("provider.type"), Some("Kubernetes"));
     let container = config
-        .at("provider.kubernetes.rateLimitDeployment.container")
+        .find("provider.kubernetes.rateLimitDeployment.container")
         .unwrap_or_else(|| panic!("{file}: no rateLimitDeployment.container"));
     assert!(is_rlsd(container), "{file}: the image is not rlsd's");
     // Envoy Gateway sets the command and env itself; a config here would be overridden or clash.
-    let keys: Vec<&str> = container.map().iter().map(|(k, _)| k.as_str()).collect();
+    let keys: Vec<&String> = container
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .collect();
     assert_eq!(keys, ["image"], "{file}: only the image changes");
-    assert_eq!(
-        config.at("rateLimit.backend.type").and_then(Value::str),
-        Some("Redis")
-    );
+    assert_eq!(config.str("rateLimit.backend.type"), Some("Redis"));
     let url = config
-        .at("rateLimit.backend.redis.url")
-        .and_then(Value::str)
+        .str("rateLimit.backend.redis.url")
         .unwrap_or_default();
     assert!(
         url.rsplit_once(':')
