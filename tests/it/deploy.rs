@@ -2064,8 +2064,9 @@ fn check_dockerfile(file: &str) {
             );
         }
     }
-    // The build reads lua/ (embedded) and proto/ (build.rs); both must be copied.
-    for needed in ["src", "proto", "lua", "Cargo.lock", "build.rs"] {
+    // The build reads lua/ (embedded) and proto/ (build.rs); cargo loads the manifest only with
+    // every bench it declares and every workspace member present.
+    for needed in ["src", "proto", "lua", "Cargo.lock", "build.rs", "benches", "testkit"] {
         let copied = |r: &String| {
             r.split_whitespace()
                 .any(|w| w.trim_end_matches('/') == needed)
