@@ -129,12 +129,7 @@ pub fn describe(config: &Config) -> String {
 
 fn collect(level: &Level, lines: &mut Vec<String>) {
     for nodes in level.keys.values() {
-        let children = nodes
-            .exact
-            .values()
-            .chain(nodes.wildcards.iter().map(|(_, node)| node))
-            .chain(nodes.default.as_deref());
-        for node in children {
+        for node in nodes.all() {
             match &node.policy {
                 Some(Policy::Unlimited { .. }) => lines.push(format!("{}: unlimited", node.path)),
                 Some(Policy::Limits(limits)) => {

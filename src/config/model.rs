@@ -73,6 +73,16 @@ pub struct KeyNodes {
     pub default: Option<Box<Node>>,
 }
 
+impl KeyNodes {
+    /// Every node: exact values, then wildcards, then the default (matching priority).
+    pub fn all(&self) -> impl Iterator<Item = &Node> {
+        self.exact
+            .values()
+            .chain(self.wildcards.iter().map(|(_, node)| node))
+            .chain(self.default.as_deref())
+    }
+}
+
 /// A value pattern with `*` wildcards anywhere (`foo*`, `bar*b`, `foo*bar*baz`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wildcard {

@@ -95,7 +95,8 @@ impl Shape {
     }
 }
 
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+/// A descriptor from `(key, value)` pairs.
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     RateLimitDescriptor {
         entries: entries
             .iter()

@@ -11,12 +11,11 @@ use arc_swap::ArcSwap;
 use rlsd::clock::ManualClock;
 use rlsd::config;
 use rlsd::engine::KeySettings;
-use rlsd::pb::{
-    RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient, rate_limit_descriptor::Entry,
-};
+use rlsd::pb::{RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient};
 use rlsd::server::{self, Listeners, ServeOptions};
 use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, Store};
+pub use rlsd_testkit::workload::descriptor;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
@@ -153,20 +152,6 @@ impl TestServer {
         if let Some(task) = self.task.take() {
             task.await.expect("server task");
         }
-    }
-}
-
-/// A descriptor from `(key, value)` pairs.
-pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(key, value)| Entry {
-                key: (*key).to_owned(),
-                value: (*value).to_owned(),
-            })
-            .collect(),
-        ..Default::default()
     }
 }
 

@@ -343,12 +343,7 @@ fn example_domain() -> Domain {
 /// Every node of a domain's tree that carries a limit, by path.
 fn limited_paths(level: &Level, out: &mut BTreeSet<String>) {
     for nodes in level.keys.values() {
-        let children = nodes
-            .exact
-            .values()
-            .chain(nodes.wildcards.iter().map(|(_, node)| node))
-            .chain(nodes.default.as_deref());
-        for node in children {
+        for node in nodes.all() {
             if node.policy.is_some() {
                 out.insert(node.path.clone());
             }
