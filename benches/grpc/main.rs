@@ -142,8 +142,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Distinct clients (IP + API key) the requests cycle through.
 const CLIENTS: usize = 1000;
 const WARMUP: Duration = Duration::from_millis(500);
-/// Clock ticks per second of `/proc/*/stat` times (`getconf CLK_TCK` on Linux).
-const CLK_TCK: f64 = 100.0;
 
 struct Opts {
     seconds: Duration,

@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use rlsd::metrics::Metrics;
 use rlsd::pb::rate_limit_response::Code;
 use rlsd::pb::{RateLimitRequest, RateLimitResponse};
+use rlsd_testkit::cpu::cpu_time;
 use rlsd_testkit::redis::evalsha_calls;
 use rlsd_testkit::{h2load, rawh2};
 use tokio::runtime::{Handle, Runtime};
 use tonic::{Response, Status};
 
 use crate::servers::Client;
-use crate::{CLK_TCK, Opts, WARMUP};
+use crate::{Opts, WARMUP};
 
 /// Answers by kind.
 #[derive(Clone, Debug, Default)]
@@ -128,27 +129,13 @@ pub(crate) fn sample_evalsha_calls(port: u16) {
 
 pub(crate) fn cpu_now() -> Cpu {
     let mut cpu = Cpu::default();
-    let ticks = |stat: &str| -> f64 {
-        // Fields after the `(comm)`: state is field 3, utime 14, stime 15.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map_or("", |(_, rest)| rest)
-            .split_whitespace()
-            .collect();
-        let field = |n: usize| {
-            fields
-                .get(n - 3)
-                .and_then(|f| f.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        (field(14) + field(15)) / CLK_TCK
-    };
+    let seconds = |stat: &str| cpu_time(stat).as_secs_f64();
     if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
-        cpu.total = ticks(&stat);
+        cpu.total = seconds(&stat);
     }
     if let Some(&(pid, _)) = REDIS_PID.get() {
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            cpu.redis = ticks(&stat);
+            cpu.redis = seconds(&stat);
         }
         // NaN until the sampler has read it once: a phase then prints no calls figure.
         cpu.evalsha = f64::from_bits(EVALSHA_CALLS.load(Ordering::Relaxed));
@@ -165,9 +152,9 @@ pub(crate) fn cpu_now() -> Cpu {
             continue;
         };
         if comm.starts_with("bench-server") || comm.starts_with("rlsd-lane") {
-            cpu.server += ticks(&stat);
+            cpu.server += seconds(&stat);
         } else if comm.starts_with("bench-client") {
-            cpu.client += ticks(&stat);
+            cpu.client += seconds(&stat);
         }
     }
     cpu

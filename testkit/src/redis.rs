@@ -219,18 +219,8 @@ impl RedisServer {
 
     /// CPU time of the redis-server process so far, in microseconds.
     pub fn cpu_us(&self) -> u64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
-        // utime and stime, in clock ticks of 10 ms, after the parenthesised command name.
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .collect();
-        let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
-            + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-        ticks * 10_000
+        let cpu = crate::cpu::cpu_time_of(format!("/proc/{}/stat", self.pid()));
+        u64::try_from(cpu.as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Redis's `used_memory`, in bytes.
