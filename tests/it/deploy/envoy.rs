@@ -1,16 +1,16 @@
-//! `deploy/envoy.yaml` and the Istio filters, decoded into mirror structs that reject unknown
-//! fields, rebuilt as Envoy's own messages (`envoy-types`), and the descriptors Envoy would send
-//! from them checked against `examples/three-layer.yaml`.
+//! `deploy/envoy.yaml` and the Istio filters, read with Envoy's own schema (its protos, as
+//! envoy-types ships them) into Envoy's messages, and the descriptors Envoy would send from them
+//! checked against `examples/three-layer.yaml`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::bootstrap::v3 as bootstrap;
-use envoy_types::pb::envoy::config::cluster::v3 as cluster;
 use envoy_types::pb::envoy::config::core::v3 as core;
-use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
 use envoy_types::pb::envoy::config::listener::v3 as listener;
-use envoy_types::pb::envoy::config::ratelimit::v3::RateLimitServiceConfig;
 use envoy_types::pb::envoy::config::route::v3 as route;
 use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3 as rl_filter;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -19,150 +19,105 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
 use envoy_types::pb::google::protobuf as wkt;
 use prost::{Message, Name};
-use serde::Deserialize;
+use prost_reflect::{DescriptorPool, DynamicMessage};
 use serde_json::Value;
 
 use super::kubernetes::RlsdSettings;
-use super::{EXAMPLE, decode, default_port, example_domain, limited_node, limited_paths, read};
+use super::{EXAMPLE, ROOT, Tree, default_port, example_domain, limited_node, limited_paths, read};
 
-// === Envoy: mirror structs =======================================================================
+// === Envoy's schema ==============================================================================
 //
-// The parts of Envoy's schema our files use, field for field. `deny_unknown_fields` means a
-// field this test does not model (and so does not check) is an error, not a silent pass.
+// The files are read as Envoy reads them: the proto3 JSON mapping of its own messages, with
+// unknown fields, unknown `@type`s, misspelt enum names and malformed durations refused.
 
-macro_rules! mirrors {
-    ($($(#[$meta:meta])* struct $name:ident { $($(#[$field_meta:meta])* $field:ident: $ty:ty,)* })*) => {$(
-        $(#[$meta])*
-        #[derive(Debug, Deserialize)]
-        #[serde(deny_unknown_fields)]
-        pub(super) struct $name { $($(#[$field_meta])* pub(super) $field: $ty,)* }
-    )*};
+/// The proto files declaring every message our files write, `Any` payloads included.
+const PROTOS: [&str; 5] = [
+    "envoy/config/bootstrap/v3/bootstrap.proto",
+    "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
+    "envoy/extensions/filters/http/ratelimit/v3/rate_limit.proto",
+    "envoy/extensions/filters/http/router/v3/router.proto",
+    "envoy/extensions/upstreams/http/v3/http_protocol_options.proto",
+];
+
+/// Where envoy-types keeps the protos its types were generated from, as cargo resolved it.
+fn envoy_types_protos() -> PathBuf {
+    let output = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--format-version=1",
+            "--offline",
+            "--manifest-path",
+        ])
+        .arg(format!("{ROOT}/Cargo.toml"))
+        .output()
+        .expect("cargo metadata");
+    assert!(output.status.success(), "cargo metadata: {output:?}");
+    let metadata: Value = serde_json::from_slice(&output.stdout).expect("metadata JSON");
+    let package = metadata
+        .seq("packages")
+        .iter()
+        .find(|p| p.str("name") == Some("envoy-types"))
+        .expect("envoy-types among the packages");
+    let manifest = PathBuf::from(package.str("manifest_path").expect("manifest_path"));
+    manifest.parent().expect("crate dir").join("proto")
 }
 
-mirrors! {
-    struct BootstrapY { admin: AdminY, static_resources: StaticResourcesY, }
-    struct AdminY { address: AddressY, }
-    struct AddressY { socket_address: SocketAddressY, }
-    struct SocketAddressY { address: String, port_value: u32, }
-    struct StaticResourcesY { listeners: Vec<ListenerY>, clusters: Vec<ClusterY>, }
-    struct ListenerY { name: String, address: AddressY, filter_chains: Vec<FilterChainY>, }
-    struct FilterChainY { filters: Vec<NetworkFilterY>, }
-    struct NetworkFilterY { name: String, typed_config: HcmY, }
-    struct HcmY {
-        #[serde(rename = "@type")] type_url: String,
-        stat_prefix: String,
-        codec_type: Option<String>,
-        use_remote_address: Option<bool>,
-        route_config: RouteConfigY,
-        http_filters: Vec<HttpFilterY>,
-    }
-    struct RouteConfigY { name: String, virtual_hosts: Vec<VirtualHostY>, }
-    struct VirtualHostY {
-        name: String,
-        domains: Vec<String>,
-        routes: Vec<RouteY>,
-        #[serde(default)] rate_limits: Vec<RateLimitY>,
-    }
-    struct RouteY { #[serde(rename = "match")] route_match: RouteMatchY, route: RouteActionY, }
-    struct RouteMatchY { prefix: String, }
-    struct RouteActionY { cluster: String, #[serde(default)] rate_limits: Vec<RateLimitY>, }
-    /// A route or virtual host `rate_limits` entry.
-    struct RateLimitY { actions: Vec<ActionY>, }
-    struct EmptyY {}
-    struct RequestHeadersY { header_name: String, descriptor_key: String, }
-    struct HeaderValueMatchY {
-        #[serde(default)] descriptor_key: String,
-        descriptor_value: String,
-        headers: Vec<HeaderMatcherY>,
-    }
-    struct HeaderMatcherY { name: String, string_match: StringMatchY, }
-    struct StringMatchY { prefix: String, }
-    /// `typed_config` is decoded by `name`, into [`RateLimitFilterY`] or [`RouterY`].
-    struct HttpFilterY { name: String, typed_config: Value, }
-    struct RouterY { #[serde(rename = "@type")] type_url: String, }
-    struct RateLimitFilterY {
-        #[serde(rename = "@type")] type_url: String,
-        domain: String,
-        timeout: Option<String>,
-        // Required: failing open or closed is a choice to write down, not a default.
-        failure_mode_deny: bool,
-        enable_x_ratelimit_headers: Option<String>,
-        rate_limit_service: RateLimitServiceY,
-    }
-    struct RateLimitServiceY { transport_api_version: String, grpc_service: GrpcServiceY, }
-    struct GrpcServiceY { envoy_grpc: EnvoyGrpcY, timeout: Option<String>, }
-    struct EnvoyGrpcY { cluster_name: String, authority: Option<String>, }
-    struct ClusterY {
-        name: String,
-        #[serde(rename = "type")] discovery: String,
-        connect_timeout: String,
-        #[serde(default)] typed_extension_protocol_options: BTreeMap<String, HttpProtocolOptionsY>,
-        load_assignment: LoadAssignmentY,
-    }
-    struct HttpProtocolOptionsY {
-        #[serde(rename = "@type")] type_url: String,
-        explicit_http_config: ExplicitHttpConfigY,
-    }
-    struct ExplicitHttpConfigY { http2_protocol_options: EmptyY, }
-    struct LoadAssignmentY { cluster_name: String, endpoints: Vec<LocalityEndpointsY>, }
-    struct LocalityEndpointsY { lb_endpoints: Vec<LbEndpointY>, }
-    struct LbEndpointY { endpoint: EndpointY, }
-    struct EndpointY { address: AddressY, }
-    /// The value of an Istio VIRTUAL_HOST MERGE patch.
-    struct VirtualHostPatchY { rate_limits: Vec<RateLimitY>, }
+fn schema() -> &'static DescriptorPool {
+    static POOL: OnceLock<DescriptorPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let protos = envoy_types_protos();
+        let out = tempfile::NamedTempFile::new().expect("temp file");
+        let mut protoc = Command::new(protoc_bin_vendored::protoc_bin_path().expect("protoc"));
+        protoc
+            .arg("--include_imports")
+            .arg(format!("--descriptor_set_out={}", out.path().display()))
+            .arg("-I")
+            .arg(protoc_bin_vendored::include_path().expect("well-known protos"));
+        for dir in ["data-plane-api", "xds", "protoc-gen-validate", "googleapis"] {
+            protoc.arg("-I").arg(protos.join(dir));
+        }
+        let status = protoc.args(PROTOS).status().expect("protoc runs");
+        assert!(status.success(), "protoc failed on envoy-types' protos");
+        let set = std::fs::read(out.path()).expect("descriptor set");
+        DescriptorPool::decode(set.as_slice()).expect("a descriptor pool")
+    })
 }
 
-/// `RateLimit.Action`, a oneof: a map with exactly one of these keys.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "snake_case")]
-pub(super) enum ActionY {
-    RemoteAddress(EmptyY),
-    RequestHeaders(RequestHeadersY),
-    HeaderValueMatch(HeaderValueMatchY),
+/// Reads `value` as Envoy reads a `M` from YAML.
+pub(super) fn envoy_message<M: Message + Name + Default>(what: &str, value: &Value) -> M {
+    assert_failure_mode_written(what, value);
+    let descriptor = schema()
+        .get_message_by_name(&M::full_name())
+        .unwrap_or_else(|| panic!("{} is not in the schema", M::full_name()));
+    let dynamic = DynamicMessage::deserialize(descriptor, value)
+        .unwrap_or_else(|e| panic!("{what}: Envoy would refuse this {}: {e}", M::NAME));
+    dynamic.transcode_to().expect("the same message")
 }
 
-// === Envoy: the real messages ====================================================================
-
-/// Packs a message as Envoy's `Any`, checking the `@type` written in the file is its type URL.
-pub(super) fn any<M: Message + Name>(written: &str, message: &M) -> wkt::Any {
-    assert_eq!(
-        written,
-        M::type_url(),
-        "@type must be type.googleapis.com/{}",
-        M::full_name()
-    );
-    wkt::Any {
-        type_url: M::type_url(),
-        value: message.encode_to_vec(),
+/// Failing open or closed is a choice to write down, not a default to fall into.
+fn assert_failure_mode_written(what: &str, value: &Value) {
+    match value {
+        Value::Object(map) => {
+            if value.str("@type") == Some(&rl_filter::RateLimit::type_url()) {
+                assert!(
+                    map.contains_key("failure_mode_deny"),
+                    "{what}: the rate limit filter must say failure_mode_deny"
+                );
+            }
+            map.values()
+                .for_each(|v| assert_failure_mode_written(what, v));
+        }
+        Value::Array(items) => items
+            .iter()
+            .for_each(|v| assert_failure_mode_written(what, v)),
+        _ => {}
     }
 }
 
-/// An Envoy enum written by its name.
-pub(super) fn named<E>(field: &str, name: &str, from_str_name: fn(&str) -> Option<E>) -> E {
-    from_str_name(name).unwrap_or_else(|| panic!("{field}: no `{name}`"))
-}
-
-/// An Envoy duration (`0.02s`): decimal seconds, at most nanosecond precision.
-pub(super) fn duration(text: &str) -> wkt::Duration {
-    let seconds = text
-        .strip_suffix('s')
-        .unwrap_or_else(|| panic!("duration `{text}` must end in `s`"));
-    let (whole, fraction) = seconds.split_once('.').unwrap_or((seconds, ""));
-    assert!(
-        fraction.len() <= 9 && fraction.bytes().all(|b| b.is_ascii_digit()),
-        "duration `{text}`"
-    );
-    let nanos = if fraction.is_empty() {
-        0
-    } else {
-        format!("{fraction:0<9}").parse::<i32>().expect("digits")
-    };
-    wkt::Duration {
-        seconds: whole
-            .parse()
-            .unwrap_or_else(|e| panic!("duration `{text}`: {e}")),
-        nanos,
-    }
+/// An `Any`'s payload, which must be a `M`.
+pub(super) fn unpack<M: Message + Name + Default>(what: &str, any: &wkt::Any) -> M {
+    assert_eq!(any.type_url, M::type_url(), "{what}: the wrong @type");
+    M::decode(any.value.as_slice()).expect("encoded by the schema")
 }
 
 pub(super) fn as_std(d: &wkt::Duration) -> Duration {
@@ -172,286 +127,65 @@ pub(super) fn as_std(d: &wkt::Duration) -> Duration {
     )
 }
 
-pub(super) fn address(a: &AddressY) -> core::Address {
-    core::Address {
-        address: Some(core::address::Address::SocketAddress(core::SocketAddress {
-            address: a.socket_address.address.clone(),
-            port_specifier: Some(core::socket_address::PortSpecifier::PortValue(
-                a.socket_address.port_value,
-            )),
-            ..Default::default()
-        })),
-    }
-}
-
-pub(super) fn rate_limit_entry(entry: &RateLimitY) -> route::RateLimit {
-    use route::rate_limit::action::{self, ActionSpecifier};
-    assert!(
-        !entry.actions.is_empty(),
-        "a rate_limits entry needs actions"
-    );
-    let specifier = |a: &ActionY| match a {
-        ActionY::RemoteAddress(EmptyY {}) => {
-            ActionSpecifier::RemoteAddress(action::RemoteAddress {})
-        }
-        ActionY::RequestHeaders(h) => {
-            assert!(!h.header_name.is_empty() && !h.descriptor_key.is_empty());
-            ActionSpecifier::RequestHeaders(action::RequestHeaders {
-                header_name: h.header_name.clone(),
-                descriptor_key: h.descriptor_key.clone(),
-                skip_if_absent: false,
-            })
-        }
-        ActionY::HeaderValueMatch(m) => {
-            assert!(!m.headers.is_empty(), "header_value_match needs headers");
-            ActionSpecifier::HeaderValueMatch(action::HeaderValueMatch {
-                descriptor_key: m.descriptor_key.clone(),
-                descriptor_value: m.descriptor_value.clone(),
-                headers: m.headers.iter().map(header_matcher).collect(),
-                ..Default::default()
-            })
-        }
-    };
-    route::RateLimit {
-        actions: entry
-            .actions
-            .iter()
-            .map(|a| route::rate_limit::Action {
-                action_specifier: Some(specifier(a)),
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
-pub(super) fn header_matcher(h: &HeaderMatcherY) -> route::HeaderMatcher {
-    use matcher::string_matcher::MatchPattern;
-    let prefix = matcher::StringMatcher {
-        match_pattern: Some(MatchPattern::Prefix(h.string_match.prefix.clone())),
-        ..Default::default()
-    };
-    route::HeaderMatcher {
-        name: h.name.clone(),
-        header_match_specifier: Some(route::header_matcher::HeaderMatchSpecifier::StringMatch(
-            prefix,
-        )),
-        ..Default::default()
-    }
-}
-
-/// An HTTP filter as Envoy's message, with the rate limit filter's config (`None` for the router).
-pub(super) fn http_filter(f: &HttpFilterY) -> (hcm::HttpFilter, Option<rl_filter::RateLimit>) {
-    let what = format!("HTTP filter {}", f.name);
-    let (any, rate_limit) = match f.name.as_str() {
-        "envoy.filters.http.ratelimit" => {
-            let c: RateLimitFilterY = decode(&what, &f.typed_config);
-            let message = rate_limit_filter(&c);
-            (any(&c.type_url, &message), Some(message))
-        }
-        "envoy.filters.http.router" => {
-            let c: RouterY = decode(&what, &f.typed_config);
-            (any(&c.type_url, &Router::default()), None)
-        }
-        other => panic!("HTTP filter {other} is not modelled by tests/it/deploy/"),
-    };
-    let filter = hcm::HttpFilter {
-        name: f.name.clone(),
-        config_type: Some(hcm::http_filter::ConfigType::TypedConfig(any)),
-        ..Default::default()
-    };
-    (filter, rate_limit)
-}
-
-pub(super) fn rate_limit_filter(c: &RateLimitFilterY) -> rl_filter::RateLimit {
-    use core::grpc_service::{EnvoyGrpc, TargetSpecifier};
-    let headers = c.enable_x_ratelimit_headers.as_deref().map_or(0, |name| {
-        let from = rl_filter::rate_limit::XRateLimitHeadersRfcVersion::from_str_name;
-        named("enable_x_ratelimit_headers", name, from) as i32
-    });
-    let service = &c.rate_limit_service;
-    let api = named(
-        "transport_api_version",
-        &service.transport_api_version,
-        core::ApiVersion::from_str_name,
-    );
-    assert_eq!(api, core::ApiVersion::V3, "rlsd speaks the v3 API only");
-    let grpc = &service.grpc_service.envoy_grpc;
-    let grpc_service = core::GrpcService {
-        timeout: service.grpc_service.timeout.as_deref().map(duration),
-        target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
-            cluster_name: grpc.cluster_name.clone(),
-            authority: grpc.authority.clone().unwrap_or_default(),
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    rl_filter::RateLimit {
-        domain: c.domain.clone(),
-        timeout: c.timeout.as_deref().map(duration),
-        failure_mode_deny: c.failure_mode_deny,
-        enable_x_ratelimit_headers: headers,
-        rate_limit_service: Some(RateLimitServiceConfig {
-            grpc_service: Some(grpc_service),
-            transport_api_version: api as i32,
-        }),
-        ..Default::default()
-    }
-}
-
-pub(super) fn cluster(c: &ClusterY) -> cluster::Cluster {
-    use upstream_http::http_protocol_options::{ExplicitHttpConfig, UpstreamProtocolOptions};
-    let discovery = cluster::cluster::DiscoveryType::from_str_name(&c.discovery)
-        .unwrap_or_else(|| panic!("cluster {}: no discovery type `{}`", c.name, c.discovery));
-    let mut options = HashMap::new();
-    for (name, o) in &c.typed_extension_protocol_options {
+/// Asserts a message sets no field but those named: a field that changes what Envoy sends, and
+/// that these checks do not model, must fail them rather than pass unread.
+macro_rules! only {
+    ($what:expr, $message:expr, $ty:ty { $($field:ident),* $(,)? }) => {{
+        let message: &$ty = &$message;
+        let mut modelled = <$ty>::default();
+        $(modelled.$field = message.$field.clone();)*
         assert_eq!(
-            *name,
-            upstream_http::HttpProtocolOptions::full_name(),
-            "cluster {}: the extension is named by its message",
-            c.name
+            *message,
+            modelled,
+            "{}: only {} of a {} are modelled by tests/it/deploy/",
+            $what,
+            stringify!($($field),*),
+            stringify!($ty)
         );
-        let EmptyY {} = o.explicit_http_config.http2_protocol_options;
-        let http2 = upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(Default::default());
-        let message = upstream_http::HttpProtocolOptions {
-            upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
-                ExplicitHttpConfig {
-                    protocol_config: Some(http2),
-                },
-            )),
-            ..Default::default()
-        };
-        options.insert(name.clone(), any(&o.type_url, &message));
-    }
-    assert_eq!(c.load_assignment.cluster_name, c.name);
-    let lb_endpoint = |e: &LbEndpointY| endpoint::LbEndpoint {
-        host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
-            endpoint::Endpoint {
-                address: Some(address(&e.endpoint.address)),
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
-    };
-    let endpoints = c
-        .load_assignment
-        .endpoints
-        .iter()
-        .map(|l| endpoint::LocalityLbEndpoints {
-            lb_endpoints: l.lb_endpoints.iter().map(lb_endpoint).collect(),
-            ..Default::default()
-        })
-        .collect();
-    cluster::Cluster {
-        name: c.name.clone(),
-        connect_timeout: Some(duration(&c.connect_timeout)),
-        cluster_discovery_type: Some(cluster::cluster::ClusterDiscoveryType::Type(
-            discovery as i32,
-        )),
-        typed_extension_protocol_options: options,
-        load_assignment: Some(endpoint::ClusterLoadAssignment {
-            cluster_name: c.load_assignment.cluster_name.clone(),
-            endpoints,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    }};
 }
+pub(super) use only;
 
-/// Decodes an Envoy bootstrap file into the mirror and into Envoy's `Bootstrap`.
-pub(super) fn envoy_bootstrap(relative: &str) -> (BootstrapY, bootstrap::Bootstrap) {
+// === Envoy: the bootstrap ========================================================================
+
+/// An Envoy bootstrap file, as parsed YAML and what it says about rate limiting.
+pub(super) fn envoy_bootstrap(relative: &str) -> (Value, EnvoyRateLimiting) {
     envoy_bootstrap_text(relative, &read(relative))
 }
 
-pub(super) fn envoy_bootstrap_text(what: &str, text: &str) -> (BootstrapY, bootstrap::Bootstrap) {
-    let y: BootstrapY = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let network_filter = |f: &NetworkFilterY| {
-        assert_eq!(f.name, "envoy.filters.network.http_connection_manager");
-        let manager = http_connection_manager(&f.typed_config);
-        listener::Filter {
-            name: f.name.clone(),
-            config_type: Some(listener::filter::ConfigType::TypedConfig(any(
-                &f.typed_config.type_url,
-                &manager,
-            ))),
-        }
-    };
-    let listener = |l: &ListenerY| listener::Listener {
-        name: l.name.clone(),
-        address: Some(address(&l.address)),
-        filter_chains: l
-            .filter_chains
-            .iter()
-            .map(|chain| listener::FilterChain {
-                filters: chain.filters.iter().map(network_filter).collect(),
-                ..Default::default()
-            })
-            .collect(),
-        ..Default::default()
-    };
-    let built = bootstrap::Bootstrap {
-        admin: Some(bootstrap::Admin {
-            address: Some(address(&y.admin.address)),
-            ..Default::default()
-        }),
-        static_resources: Some(bootstrap::bootstrap::StaticResources {
-            listeners: y.static_resources.listeners.iter().map(listener).collect(),
-            clusters: y.static_resources.clusters.iter().map(cluster).collect(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    (y, built)
+pub(super) fn envoy_bootstrap_text(what: &str, text: &str) -> (Value, EnvoyRateLimiting) {
+    let yaml: Value = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let built: bootstrap::Bootstrap = envoy_message(what, &yaml);
+    for c in yaml.seq("static_resources.clusters") {
+        let name = c.str("name");
+        assert_eq!(
+            c.str("load_assignment.cluster_name"),
+            name,
+            "{what}: {name:?}"
+        );
+    }
+    (yaml, rate_limiting(&built))
 }
 
-pub(super) fn http_connection_manager(m: &HcmY) -> hcm::HttpConnectionManager {
-    use hcm::http_connection_manager::{CodecType, RouteSpecifier};
-    let codec = m.codec_type.as_deref().map_or(0, |name| {
-        named("codec_type", name, CodecType::from_str_name) as i32
-    });
-    assert_eq!(
-        m.http_filters.last().map(|f| f.name.as_str()),
-        Some("envoy.filters.http.router"),
-        "the router must be the last HTTP filter"
-    );
-    let route = |r: &RouteY| route::Route {
-        r#match: Some(route::RouteMatch {
-            path_specifier: Some(route::route_match::PathSpecifier::Prefix(
-                r.route_match.prefix.clone(),
-            )),
-            ..Default::default()
-        }),
-        action: Some(route::route::Action::Route(route::RouteAction {
-            cluster_specifier: Some(route::route_action::ClusterSpecifier::Cluster(
-                r.route.cluster.clone(),
-            )),
-            rate_limits: r.route.rate_limits.iter().map(rate_limit_entry).collect(),
-            ..Default::default()
-        })),
-        ..Default::default()
+/// The rate limit filter's config, or `None` for the router; any other filter is not modelled.
+pub(super) fn rate_limit_filter(what: &str, f: &hcm::HttpFilter) -> Option<rl_filter::RateLimit> {
+    let Some(hcm::http_filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+        panic!("{what}: HTTP filter {} without typed_config", f.name);
     };
-    let virtual_host = |v: &VirtualHostY| route::VirtualHost {
-        name: v.name.clone(),
-        domains: v.domains.clone(),
-        rate_limits: v.rate_limits.iter().map(rate_limit_entry).collect(),
-        routes: v.routes.iter().map(route).collect(),
-        ..Default::default()
-    };
-    hcm::HttpConnectionManager {
-        stat_prefix: m.stat_prefix.clone(),
-        codec_type: codec,
-        use_remote_address: m.use_remote_address.map(|value| wkt::BoolValue { value }),
-        http_filters: m.http_filters.iter().map(|f| http_filter(f).0).collect(),
-        route_specifier: Some(RouteSpecifier::RouteConfig(route::RouteConfiguration {
-            name: m.route_config.name.clone(),
-            virtual_hosts: m
-                .route_config
-                .virtual_hosts
-                .iter()
-                .map(virtual_host)
-                .collect(),
-            ..Default::default()
-        })),
-        ..Default::default()
+    match f.name.as_str() {
+        "envoy.filters.http.ratelimit" => {
+            let filter: rl_filter::RateLimit = unpack(what, any);
+            #[rustfmt::skip]
+            only!(what, filter, rl_filter::RateLimit {
+                domain, timeout, failure_mode_deny, enable_x_ratelimit_headers, rate_limit_service,
+            });
+            Some(filter)
+        }
+        "envoy.filters.http.router" => {
+            let _: Router = unpack(what, any);
+            None
+        }
+        other => panic!("{what}: HTTP filter {other} is not modelled by tests/it/deploy/"),
     }
 }
 
@@ -464,7 +198,7 @@ pub(super) struct EnvoyRateLimiting {
 }
 
 /// Unpacks what matters for rate limiting from a built bootstrap, through the encoded `Any`s.
-pub(super) fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
+fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
     use hcm::http_connection_manager::RouteSpecifier;
     let resources = built.static_resources.as_ref().expect("static_resources");
     let mut found = Vec::new();
@@ -477,19 +211,22 @@ pub(super) fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
         let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
             panic!("filter {} without typed_config", f.name);
         };
-        let manager = hcm::HttpConnectionManager::decode(any.value.as_slice())
-            .expect("an HttpConnectionManager");
-        let filter = manager
+        assert_eq!(f.name, "envoy.filters.network.http_connection_manager");
+        let manager: hcm::HttpConnectionManager = unpack(&f.name, any);
+        #[rustfmt::skip]
+        only!(f.name, manager, hcm::HttpConnectionManager {
+            stat_prefix, codec_type, use_remote_address, http_filters, route_specifier,
+        });
+        assert_eq!(
+            manager.http_filters.last().map(|f| f.name.as_str()),
+            Some("envoy.filters.http.router"),
+            "the router must be the last HTTP filter"
+        );
+        let mut filters = manager
             .http_filters
             .iter()
-            .find(|f| f.name == "envoy.filters.http.ratelimit")
-            .and_then(|f| match &f.config_type {
-                Some(hcm::http_filter::ConfigType::TypedConfig(any)) => {
-                    Some(rl_filter::RateLimit::decode(any.value.as_slice()).expect("RateLimit"))
-                }
-                _ => None,
-            })
-            .expect("the rate limit filter");
+            .filter_map(|f| rate_limit_filter(&manager.stat_prefix, f));
+        let filter = filters.next().expect("the rate limit filter");
         let Some(RouteSpecifier::RouteConfig(routes)) = &manager.route_specifier else {
             panic!("an inline route_config");
         };
@@ -535,16 +272,49 @@ pub(super) fn rlsd_target(filter: &rl_filter::RateLimit) -> &core::grpc_service:
     grpc
 }
 
-pub(super) fn cluster_named<'b>(
-    built: &'b bootstrap::Bootstrap,
-    name: &str,
-) -> &'b cluster::Cluster {
-    let resources = built.static_resources.as_ref().expect("resources");
-    resources
-        .clusters
+/// The cluster of a bootstrap named `name`.
+pub(super) fn cluster_named<'y>(y: &'y Value, name: &str) -> &'y Value {
+    let clusters = y.seq("static_resources.clusters");
+    let found = clusters.iter().find(|c| c.str("name") == Some(name));
+    found.unwrap_or_else(|| panic!("no cluster {name}"))
+}
+
+/// A cluster's one endpoint, as host and port.
+pub(super) fn only_endpoint(c: &Value) -> (&str, i64) {
+    let localities = c.seq("load_assignment.endpoints");
+    let endpoints: Vec<&Value> = localities
         .iter()
-        .find(|c| c.name == name)
-        .unwrap_or_else(|| panic!("no cluster {name}"))
+        .flat_map(|l| l.seq("lb_endpoints"))
+        .collect();
+    assert_eq!(
+        endpoints.len(),
+        1,
+        "cluster {:?}: one endpoint",
+        c.str("name")
+    );
+    let socket = endpoints[0].at("endpoint.address.socket_address");
+    (
+        socket.str("address").expect("an address"),
+        socket.int("port_value").expect("a port"),
+    )
+}
+
+/// gRPC needs HTTP/2 to the cluster, which Envoy speaks only when told.
+pub(super) fn assert_http2(c: &Value) {
+    let name = upstream_http::HttpProtocolOptions::full_name();
+    let options = c.at("typed_extension_protocol_options").get(&name);
+    let options = options.unwrap_or_else(|| panic!("{:?}: no {name}", c.str("name")));
+    assert_eq!(
+        options.str("@type"),
+        Some(&*upstream_http::HttpProtocolOptions::type_url())
+    );
+    assert!(
+        options
+            .find("explicit_http_config.http2_protocol_options")
+            .is_some(),
+        "cluster {:?}: gRPC needs http2_protocol_options",
+        c.str("name")
+    );
 }
 
 /// Envoy's rate limit headers, or rlsd's `--headers`: exactly one side adds them.
@@ -617,32 +387,40 @@ pub(super) fn descriptor(
     request: &Sample<'_>,
 ) -> Option<Vec<(String, String)>> {
     use route::rate_limit::action::ActionSpecifier;
-    let pair = |key: &str, value: &str| Some((key.to_owned(), value.to_owned()));
-    entry
+    only!("a rate_limits entry", *entry, route::RateLimit { actions });
+    // Per action: `Some(None)` adds nothing, `None` drops the whole entry.
+    let pair = |key: &str, value: &str| Some(Some((key.to_owned(), value.to_owned())));
+    let entries: Option<Vec<Option<(String, String)>>> = entry
         .actions
         .iter()
         .map(
             |action| match action.action_specifier.as_ref().expect("an action") {
                 ActionSpecifier::RemoteAddress(_) => pair("remote_address", request.client),
-                ActionSpecifier::RequestHeaders(h) => {
-                    pair(&h.descriptor_key, request.header(&h.header_name)?)
-                }
+                ActionSpecifier::RequestHeaders(h) => match request.header(&h.header_name) {
+                    Some(value) => pair(&h.descriptor_key, value),
+                    None if h.skip_if_absent => Some(None),
+                    None => None,
+                },
                 ActionSpecifier::HeaderValueMatch(m) => {
-                    let all = m.headers.iter().all(|h| header_matches(h, request));
-                    if all != m.expect_match.as_ref().is_none_or(|b| b.value) {
-                        return None;
-                    }
-                    let key = if m.descriptor_key.is_empty() {
-                        "header_match"
-                    } else {
-                        &m.descriptor_key
+                    let key = match m.descriptor_key.as_str() {
+                        "" => "header_match",
+                        key => key,
                     };
-                    pair(key, &m.descriptor_value)
+                    let all = m.headers.iter().all(|h| header_matches(h, request));
+                    if all == m.expect_match.as_ref().is_none_or(|b| b.value) {
+                        pair(key, &m.descriptor_value)
+                    } else if !m.default_value.is_empty() {
+                        pair(key, &m.default_value)
+                    } else {
+                        None
+                    }
                 }
                 other => panic!("action {other:?} is not modelled by tests/it/deploy/"),
             },
         )
-        .collect()
+        .collect();
+    let entries: Vec<(String, String)> = entries?.into_iter().flatten().collect();
+    (!entries.is_empty()).then_some(entries)
 }
 
 /// The descriptors of one request: one per entry that produces one.
@@ -689,8 +467,12 @@ pub(super) fn check_against_example(what: &str, rl: &EnvoyRateLimiting) {
         let mut produced = false;
         for (path, plan) in PATHS.iter().flat_map(|p| PLANS.map(|plan| (*p, plan))) {
             let headers = [("x-plan", plan), ("x-api-key", "k-test")];
-            if let Some(descriptor) = descriptor(entry, &Sample::new("203.0.113.7", path, &headers))
-            {
+            // With every header, and with each one missing: what is sent must meet a limit.
+            let subsets = [&headers[..], &headers[..1], &headers[1..]];
+            for sample in subsets.map(|h| Sample::new("203.0.113.7", path, h)) {
+                let Some(descriptor) = descriptor(entry, &sample) else {
+                    continue;
+                };
                 produced = true;
                 reached.insert(limited_node(&domain, &descriptor).path.clone());
             }
@@ -710,8 +492,7 @@ pub(super) fn check_against_example(what: &str, rl: &EnvoyRateLimiting) {
 
 #[test]
 fn envoy_yaml_sends_the_three_layers_in_one_request() {
-    let (y, built) = envoy_bootstrap("deploy/envoy.yaml");
-    let rl = rate_limiting(&built);
+    let (y, rl) = envoy_bootstrap("deploy/envoy.yaml");
     check_against_example("deploy/envoy.yaml", &rl);
 
     // A search by a free key: one request, the three layers, in the config's order.
@@ -762,12 +543,12 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
     assert!(!rl.filter.failure_mode_deny, "envoy.yaml fails open");
 
     // The filter's cluster is rlsd's gRPC port on loopback, over HTTP/2.
-    let rlsd_cluster = cluster_named(&built, &rlsd_target(&rl.filter).cluster_name);
+    let rlsd_cluster = cluster_named(&y, &rlsd_target(&rl.filter).cluster_name);
     assert_http2(rlsd_cluster);
     let (host, port) = only_endpoint(rlsd_cluster);
     assert_eq!(
         port,
-        u32::from(default_port("--grpc-addr")),
+        i64::from(default_port("--grpc-addr")),
         "Envoy must call rlsd's default gRPC port"
     );
     assert!(
@@ -775,73 +556,62 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
         "rlsd is a loopback sidecar"
     );
 
-    // The admin interface is loopback only; the listener is 10000.
-    assert_eq!(y.admin.address.socket_address.address, "127.0.0.1");
-    assert_eq!(y.admin.address.socket_address.port_value, 9901);
-    let listeners = &y.static_resources.listeners;
-    assert_eq!(listeners[0].address.socket_address.port_value, 10000);
+    // The admin interface is loopback only; the listener is 10000; every route has a cluster.
+    assert_eq!(
+        y.str("admin.address.socket_address.address"),
+        Some("127.0.0.1")
+    );
+    assert_eq!(y.int("admin.address.socket_address.port_value"), Some(9901));
+    let listeners = y.seq("static_resources.listeners");
+    assert_eq!(
+        listeners[0].int("address.socket_address.port_value"),
+        Some(10000)
+    );
     let routes = listeners
         .iter()
-        .flat_map(|l| &l.filter_chains)
-        .flat_map(|chain| &chain.filters)
-        .flat_map(|f| &f.typed_config.route_config.virtual_hosts)
-        .flat_map(|v| &v.routes);
+        .flat_map(|l| l.seq("filter_chains"))
+        .flat_map(|chain| chain.seq("filters"))
+        .flat_map(|f| f.seq("typed_config.route_config.virtual_hosts"))
+        .flat_map(|v| v.seq("routes"));
     for r in routes {
-        cluster_named(&built, &r.route.cluster);
+        cluster_named(&y, r.str("route.cluster").expect("a route to a cluster"));
     }
 }
 
-pub(super) fn assert_http2(c: &cluster::Cluster) {
-    use upstream_http::http_protocol_options::UpstreamProtocolOptions;
-    use upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig;
-    let any = c
-        .typed_extension_protocol_options
-        .get(&upstream_http::HttpProtocolOptions::full_name())
-        .unwrap_or_else(|| panic!("cluster {}: no HttpProtocolOptions, so HTTP/1.1", c.name));
-    assert_eq!(any.type_url, upstream_http::HttpProtocolOptions::type_url());
-    let options = upstream_http::HttpProtocolOptions::decode(any.value.as_slice()).expect("decode");
-    let Some(UpstreamProtocolOptions::ExplicitHttpConfig(explicit)) =
-        options.upstream_protocol_options
-    else {
-        panic!("cluster {}: explicit_http_config", c.name);
-    };
-    assert!(
-        matches!(
-            explicit.protocol_config,
-            Some(ProtocolConfig::Http2ProtocolOptions(_))
-        ),
-        "cluster {}: gRPC needs http2_protocol_options",
-        c.name
-    );
-}
-
-pub(super) fn only_endpoint(c: &cluster::Cluster) -> (String, u32) {
-    let assignment = c.load_assignment.as_ref().expect("load_assignment");
-    let endpoints: Vec<&endpoint::LbEndpoint> = assignment
-        .endpoints
-        .iter()
-        .flat_map(|l| &l.lb_endpoints)
-        .collect();
-    assert_eq!(endpoints.len(), 1, "cluster {}: one endpoint", c.name);
-    let Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(e)) = &endpoints[0].host_identifier
-    else {
-        panic!("an endpoint");
-    };
-    let Some(core::address::Address::SocketAddress(socket)) =
-        e.address.as_ref().and_then(|a| a.address.as_ref())
-    else {
-        panic!("a socket address");
-    };
-    let Some(core::socket_address::PortSpecifier::PortValue(port)) = socket.port_specifier else {
-        panic!("a port");
-    };
-    (socket.address.clone(), port)
-}
-
 #[test]
-fn durations_read_as_envoy_writes_them() {
-    let (seconds, nanos) = (0, 20_000_000);
-    assert_eq!(duration("0.02s"), wkt::Duration { seconds, nanos });
-    let (seconds, nanos) = (10, 0);
-    assert_eq!(duration("10s"), wkt::Duration { seconds, nanos });
+fn the_schema_refuses_what_envoy_refuses() {
+    let filter = |typed_config: Value| {
+        let value = serde_json::json!({ "name": "envoy.filters.http.ratelimit", "typed_config": typed_config });
+        std::panic::catch_unwind(|| envoy_message::<hcm::HttpFilter>("test", &value))
+    };
+    let good = serde_json::json!({
+        "@type": rl_filter::RateLimit::type_url(),
+        "domain": "d",
+        "timeout": "0.02s",
+        "failure_mode_deny": false,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+    });
+    let built = filter(good.clone()).expect("a well-formed filter");
+    let rate_limit = rate_limit_filter("test", &built).expect("the rate limit filter");
+    assert_eq!(
+        rate_limit.timeout,
+        Some(wkt::Duration {
+            seconds: 0,
+            nanos: 20_000_000
+        })
+    );
+    let spoiled = |key: &str, value: Value| {
+        let mut config = good.clone();
+        config[key] = value;
+        config
+    };
+    for bad in [
+        spoiled("domian", "d".into()),
+        spoiled("timeout", "20ms".into()),
+        spoiled("enable_x_ratelimit_headers", "DRAFT_VERSION_3".into()),
+        spoiled("@type", "type.googleapis.com/envoy.config.RateLimit".into()),
+        serde_json::json!({ "@type": rl_filter::RateLimit::type_url(), "domain": "d" }),
+    ] {
+        assert!(filter(bad.clone()).is_err(), "accepted {bad}");
+    }
 }

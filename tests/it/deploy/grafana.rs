@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::envoy::{Sample, envoy_bootstrap, envoy_descriptors, rate_limiting};
+use super::envoy::{Sample, envoy_bootstrap, envoy_descriptors};
 use super::kubernetes::rlsd_in;
 use super::{EXAMPLE, Kind, Tree, deploy_files, kind_of, parse_json, path, read};
 use crate::common::http_get;
@@ -230,8 +230,7 @@ async fn the_dashboard_and_probes_match_a_running_rlsd() {
     let mut client = rlsd::pb::RateLimitServiceClient::new(channel.clone());
 
     // The request deploy/envoy.yaml sends for a search by a free key.
-    let (_, built) = envoy_bootstrap("deploy/envoy.yaml");
-    let rl = rate_limiting(&built);
+    let (_, rl) = envoy_bootstrap("deploy/envoy.yaml");
     let request_for = |client_ip: &str, key: &str| {
         let headers = [("x-plan", "free"), ("x-api-key", key)];
         let descriptors = envoy_descriptors(&rl, &Sample::new(client_ip, "/search", &headers));

@@ -6,16 +6,16 @@ use std::path::Path;
 
 use envoy_types::pb::envoy::config::route::v3 as route;
 use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3 as rl_filter;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
 use serde_json::Value;
 
 use super::envoy::{
-    EnvoyRateLimiting, VirtualHostPatchY, assert_headers_from_one_side, check_against_example,
-    cluster_named, envoy_bootstrap_text, http_filter, only_endpoint, rate_limit_entry,
-    rate_limiting, rlsd_target,
+    EnvoyRateLimiting, assert_headers_from_one_side, check_against_example, cluster_named,
+    envoy_bootstrap_text, envoy_message, only, only_endpoint, rate_limit_filter, rlsd_target,
 };
 use super::image::{dockerfile, dockerfile_entrypoint, dockerfile_final_stage};
 use super::{
-    EXAMPLE, Tree, decode, default_port, flag, flag_for_env, is_yaml, load_config, port_of, read,
+    EXAMPLE, Tree, default_port, flag, flag_for_env, is_yaml, load_config, port_of, read,
     serve_flags, yaml_documents,
 };
 
@@ -343,13 +343,15 @@ pub(super) fn envoy_filter_patches(
                     Some("envoy.filters.http.router"),
                     "{what}: insert before the router"
                 );
-                let (_, rate_limit) = http_filter(&decode(what, value));
+                let filter: hcm::HttpFilter = envoy_message(what, value);
+                let rate_limit = rate_limit_filter(what, &filter);
                 filters.push(rate_limit.unwrap_or_else(|| panic!("{what}: the rate limit filter")));
             }
             ("VIRTUAL_HOST", "MERGE") => {
-                let v: VirtualHostPatchY = decode(what, value);
+                let v: route::VirtualHost = envoy_message(what, value);
                 assert!(!v.rate_limits.is_empty(), "{what}: no rate_limits");
-                entries.extend(v.rate_limits.iter().map(rate_limit_entry));
+                only!(what, v, route::VirtualHost { rate_limits });
+                entries.extend(v.rate_limits);
             }
             other => panic!("{what}: patch {other:?} is not modelled"),
         }
@@ -674,20 +676,18 @@ fn sidecar_envoy_runs_deploy_envoy_yaml_against_its_rlsd() {
         read("deploy/envoy.yaml"),
         "ConfigMap {cm_name} {key} must be deploy/envoy.yaml verbatim"
     );
-    let (y, built) = envoy_bootstrap_text(&format!("{file}: {cm_name}"), text);
-    let rl = rate_limiting(&built);
+    let (y, rl) = envoy_bootstrap_text(&format!("{file}: {cm_name}"), text);
     assert_headers_from_one_side(file, &rl.filter, &settings);
     // Envoy's rlsd cluster is this rlsd's gRPC port; its listener is the Envoy container's port.
-    let (_, port) = only_endpoint(cluster_named(&built, &rlsd_target(&rl.filter).cluster_name));
+    let (_, port) = only_endpoint(cluster_named(&y, &rlsd_target(&rl.filter).cluster_name));
     assert_eq!(
-        i64::from(port),
+        port,
         settings.port("--grpc-addr"),
         "{file}: Envoy must call the sidecar's gRPC port"
     );
-    let listener_port = y.static_resources.listeners[0]
-        .address
-        .socket_address
-        .port_value;
+    let listener_port = y.seq("static_resources.listeners")[0]
+        .int("address.socket_address.port_value")
+        .expect("a listener port");
     assert!(
         resolve_port(envoy.seq("ports"), &Value::from(listener_port)).is_some(),
         "{file}: the Envoy container must expose its listener port {listener_port}"

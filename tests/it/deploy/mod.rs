@@ -3,10 +3,10 @@
 //!
 //! - Every file under `deploy/` must be of a kind this test knows ([`Kind`]): a new file cannot
 //!   land unchecked.
-//! - `deploy/envoy.yaml` and the Istio filters are decoded into mirror structs that reject
-//!   unknown fields, rebuilt as Envoy's own protobuf messages (`envoy-types`) whose type URLs
-//!   must be the `@type`s written, and encoded. The descriptors Envoy would send are computed
-//!   from those messages and must land on limits of `examples/three-layer.yaml`.
+//! - `deploy/envoy.yaml` and the Istio filters are read with Envoy's own schema (the protos
+//!   envoy-types ships), so an unknown field, `@type` or enum name fails as it would in Envoy.
+//!   The descriptors Envoy would send are computed from those messages and must land on limits
+//!   of `examples/three-layer.yaml`.
 //! - The Kubernetes manifests are checked against `rlsd serve`'s clap command: flags, `RLSD_*`
 //!   variables, default ports, probes, the config mount and what it holds.
 //! - Every metric the Grafana dashboard queries must be in the exposition of a real rlsd
@@ -25,10 +25,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use envoy_types::pb::envoy::config::bootstrap::v3 as bootstrap;
-use prost::Message;
 use rlsd::config::{Domain, Level, Node};
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use self::envoy::envoy_bootstrap;
@@ -127,13 +124,7 @@ fn every_file_in_deploy_is_of_a_known_kind_and_valid() {
         match kind {
             Kind::Readme => assert!(readme.len() > 200, "{file} says next to nothing"),
             Kind::Dockerfile => check_dockerfile(file),
-            Kind::EnvoyBootstrap => {
-                let (_, built) = envoy_bootstrap(file);
-                // The rebuilt bootstrap survives the wire: every field is a real Envoy field.
-                let bytes = built.encode_to_vec();
-                let decoded = bootstrap::Bootstrap::decode(bytes.as_slice()).expect("decodes");
-                assert_eq!(decoded, built, "{file}: bootstrap round trip");
-            }
+            Kind::EnvoyBootstrap => drop(envoy_bootstrap(file)),
             Kind::PrometheusConfig => check_prometheus_config(file),
             Kind::Kubernetes => check_kubernetes_file(file),
             Kind::GrafanaDashboard => check_dashboard_shape(file, &dashboard(file)),
@@ -222,11 +213,6 @@ impl Tree for Value {
             _ => None,
         }
     }
-}
-
-/// Decodes a subtree into a typed mirror, which rejects unknown fields.
-fn decode<T: DeserializeOwned>(what: &str, value: &Value) -> T {
-    T::deserialize(value).unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
 /// Every document of a YAML file; serde-saphyr refuses duplicate keys.
