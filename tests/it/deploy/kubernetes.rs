@@ -15,8 +15,7 @@ use super::envoy::{
 };
 use super::image::{dockerfile, dockerfile_entrypoint, dockerfile_final_stage};
 use super::{
-    EXAMPLE, Tree, default_port, flag, flag_for_env, is_yaml, load_config, port_of, read,
-    serve_flags, yaml_documents,
+    EXAMPLE, Tree, default_port, flag_for_env, is_yaml, load_config, port_of, read, yaml_documents,
 };
 
 // === Kubernetes ==================================================================================
@@ -159,48 +158,21 @@ pub(super) fn image_env() -> BTreeMap<String, String> {
         .collect()
 }
 
-/// How one rlsd container is configured: flags after `rlsd serve`, then env, then the image's
-/// ENV, then the binary's defaults; every name and value checked against `rlsd serve`'s flags.
+/// How one rlsd container is configured, as `rlsd serve`'s own parser reads it: flags after
+/// `rlsd serve`, then `RLSD_*` env, then the image's ENV, then the binary's defaults.
 pub(super) struct RlsdSettings {
     pub(super) values: BTreeMap<String, String>,
 }
 
 impl RlsdSettings {
     pub(super) fn of(container: &Value, what: &str) -> RlsdSettings {
-        let mut values = BTreeMap::new();
-        for (name, f) in serve_flags() {
-            if let Some(default) = &f.default {
-                values.insert(name.clone(), default.clone());
-            }
-        }
-        let check_value = |flag_name: &str, value: &str| {
-            let f = flag(flag_name);
-            assert!(
-                f.possible.is_empty() || f.possible.iter().any(|p| p == value),
-                "{what}: {flag_name} {value}: not one of {:?}",
-                f.possible
-            );
-        };
-        let apply_env = |values: &mut BTreeMap<String, String>, env: &str, value: &str| {
-            let Some((flag_name, _)) = flag_for_env(env) else {
-                panic!("{what}: {env} is not a variable of an `rlsd serve` flag");
-            };
-            check_value(flag_name, value);
-            values.insert(flag_name.clone(), value.to_owned());
-        };
-        for (env, value) in image_env() {
-            if env.starts_with("RLSD_") {
-                apply_env(&mut values, &env, &value);
-            }
-        }
+        let mut env: BTreeMap<String, String> = image_env();
         for e in container.seq("env") {
-            let env = e.str("name").expect("env name");
-            if env.starts_with("RLSD_") {
-                let value = e
-                    .str("value")
-                    .unwrap_or_else(|| panic!("{what}: {env} must be a string (quote numbers)"));
-                apply_env(&mut values, env, value);
-            }
+            let name = e.str("name").expect("env name");
+            let value = e.str("value");
+            let value =
+                value.unwrap_or_else(|| panic!("{what}: {name} must be a string (quote numbers)"));
+            env.insert(name.to_owned(), value.to_owned());
         }
         // `command`, when set, must run `rlsd serve`; otherwise the image's entrypoint does.
         let mut args: Vec<String> = Vec::new();
@@ -221,34 +193,46 @@ impl RlsdSettings {
         }
         for a in container.seq("args") {
             let arg = a.as_str();
-            args.push(
-                arg.unwrap_or_else(|| panic!("{what}: arg {a:?} must be a string (quote it)"))
-                    .to_owned(),
-            );
+            let arg =
+                arg.unwrap_or_else(|| panic!("{what}: arg {a:?} must be a string (quote it)"));
+            args.push(arg.to_owned());
         }
-        let mut args = args.into_iter();
-        while let Some(arg) = args.next() {
-            let (flag_name, inline) = match arg.split_once('=') {
-                Some((f, v)) => (f.to_owned(), Some(v.to_owned())),
-                None => (arg.clone(), None),
+        // The environment as flags, below the command line's own.
+        let given: BTreeSet<&str> = args.iter().filter_map(|a| a.split('=').next()).collect();
+        let mut argv = vec!["rlsd".to_owned(), "serve".to_owned()];
+        for (name, value) in env.iter().filter(|(name, _)| name.starts_with("RLSD_")) {
+            let Some((flag_name, f)) = flag_for_env(name) else {
+                panic!("{what}: {name} is not a variable of an `rlsd serve` flag");
             };
-            assert!(
-                flag_name.starts_with("--"),
-                "{what}: `{arg}` is not a flag; `rlsd serve` takes no positional arguments"
-            );
-            let f = serve_flags()
-                .get(&flag_name)
-                .unwrap_or_else(|| panic!("{what}: {flag_name} is not an `rlsd serve` flag"));
-            let value = if f.takes_value {
-                inline
-                    .or_else(|| args.next())
-                    .unwrap_or_else(|| panic!("{what}: {flag_name} needs a value"))
-            } else {
-                assert!(inline.is_none(), "{what}: {flag_name} takes no value");
-                "true".to_owned()
+            if !given.contains(flag_name.as_str()) && (f.takes_value || value == "true") {
+                let value = if f.takes_value {
+                    format!("={value}")
+                } else {
+                    String::new()
+                };
+                argv.push(format!("{flag_name}{value}"));
+            }
+        }
+        argv.extend(args);
+        let command = <rlsd::cli::Cli as clap::CommandFactory>::command();
+        let matches = command.clone().try_get_matches_from(&argv);
+        let matches = matches.unwrap_or_else(|e| panic!("{what}: rlsd refuses {argv:?}: {e}"));
+        let serve = matches.subcommand_matches("serve").expect("serve");
+        let serve_command = command.find_subcommand("serve").expect("serve");
+        let mut values = BTreeMap::new();
+        for arg in command.get_arguments().chain(serve_command.get_arguments()) {
+            use clap::parser::ValueSource::{CommandLine, DefaultValue};
+            let (id, Some(long)) = (arg.get_id().as_str(), arg.get_long()) else {
+                continue;
             };
-            check_value(&flag_name, &value);
-            values.insert(flag_name, value);
+            // Set by this test's own environment, not by the manifest.
+            if !matches!(serve.value_source(id), Some(CommandLine | DefaultValue)) {
+                continue;
+            }
+            if let Ok(Some(raw)) = serve.try_get_raw(id) {
+                let raw: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
+                values.insert(format!("--{long}"), raw.join(","));
+            }
         }
         RlsdSettings { values }
     }

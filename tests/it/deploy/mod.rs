@@ -246,8 +246,6 @@ struct Flag {
     takes_value: bool,
     env: Option<String>,
     default: Option<String>,
-    /// Empty when any value goes.
-    possible: Vec<String>,
 }
 
 /// `rlsd serve`'s flags by long name (`--config`), read from the clap command itself.
@@ -270,11 +268,6 @@ fn serve_flags() -> &'static BTreeMap<String, Flag> {
                         .get_default_values()
                         .first()
                         .map(|value| value.to_string_lossy().into_owned()),
-                    possible: arg
-                        .get_possible_values()
-                        .iter()
-                        .map(|value| value.get_name().to_owned())
-                        .collect(),
                 };
                 Some((format!("--{}", arg.get_long()?), flag))
             })
@@ -310,7 +303,6 @@ fn the_flags_are_read_from_rlsd() {
     assert_eq!(default_port("--grpc-addr"), 8081);
     assert_eq!(default_port("--http-addr"), 8080);
     assert_eq!(flag("--config").env.as_deref(), Some("RLSD_CONFIG"));
-    assert!(flag("--headers").possible.iter().any(|v| v == "off"));
     assert!(flag("--config").takes_value);
 }
 
