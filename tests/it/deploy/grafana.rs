@@ -39,85 +39,59 @@ pub(super) fn expressions(v: &Value, out: &mut Vec<String>) {
 }
 
 /// The metric names a PromQL expression reads: identifiers that are not functions,
-/// aggregations, keywords, label names or grouping labels. Strings, `{...}` matchers and
-/// `[...]` ranges are skipped.
+/// aggregations, keywords, numbers, Grafana variables or grouping labels.
 pub(super) fn metric_names(expr: &str) -> Vec<String> {
     const GROUPING: &str = "by without on ignoring group_left group_right";
     const KEYWORDS: &str = "bool and or unless offset sum min max avg group stddev stdvar count \
         count_values bottomk topk quantile limitk limit_ratio inf nan";
-    let label_values = expr.strip_prefix("label_values(");
-    let expr = label_values
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or(expr);
-    let chars: Vec<char> = expr.chars().collect();
-    let mut names = Vec::new();
-    let mut i = 0;
-    let mut skip_group = false;
-    while i < chars.len() {
-        let c = chars[i];
+    let expr = match expr.strip_prefix("label_values(") {
+        Some(rest) => rest.split(',').next().unwrap_or_default(),
+        None => expr,
+    };
+    // Blank out strings, `{...}` matchers and `[...]` ranges.
+    let mut plain = String::new();
+    let mut closers: Vec<char> = Vec::new();
+    let mut chars = expr.chars();
+    while let Some(c) = chars.next() {
+        let in_string = closers.last().is_some_and(|q| "\"'`".contains(*q));
         match c {
-            '"' | '\'' | '`' => {
-                i += 1;
-                while i < chars.len() && chars[i] != c {
-                    i += if chars[i] == '\\' { 2 } else { 1 };
-                }
-                i += 1;
+            '\\' if in_string => drop(chars.next()),
+            c if closers.last() == Some(&c) => drop(closers.pop()),
+            '"' | '\'' | '`' if !in_string => closers.push(c),
+            '{' | '[' if !in_string => closers.push(if c == '{' { '}' } else { ']' }),
+            c if closers.is_empty() => plain.push(c),
+            _ => {}
+        }
+        if !closers.is_empty() || "}]\"'`".contains(c) {
+            plain.push(' ');
+        }
+    }
+    let is_word = |c: char| c.is_ascii_alphanumeric() || "_:$".contains(c);
+    let (mut names, mut grouping, mut in_labels) = (Vec::new(), false, false);
+    let mut rest = plain.as_str();
+    while let Some(c) = rest.chars().next() {
+        let len = rest.find(|c| !is_word(c)).unwrap_or(rest.len());
+        if len == 0 {
+            match c {
+                '(' if grouping => (grouping, in_labels) = (false, true),
+                ')' => in_labels = false,
+                _ => {}
             }
-            '{' | '[' => {
-                let close = if c == '{' { '}' } else { ']' };
-                while i < chars.len() && chars[i] != close {
-                    if chars[i] == '"' {
-                        i += 1;
-                        while i < chars.len() && chars[i] != '"' {
-                            i += if chars[i] == '\\' { 2 } else { 1 };
-                        }
-                    }
-                    i += 1;
-                }
-                i += 1;
-            }
-            '(' if skip_group => {
-                while i < chars.len() && chars[i] != ')' {
-                    i += 1;
-                }
-                skip_group = false;
-                i += 1;
-            }
-            c if c.is_ascii_digit() => {
-                // A number (`0.99`, `1e3`), not a name.
-                while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
-                    i += 1;
-                }
-            }
-            c if c.is_ascii_alphabetic() || c == '_' || c == ':' => {
-                let start = i;
-                while i < chars.len()
-                    && (chars[i].is_ascii_alphanumeric() || chars[i] == '_' || chars[i] == ':')
-                {
-                    i += 1;
-                }
-                let word: String = chars[start..i].iter().collect();
-                let mut j = i;
-                while j < chars.len() && chars[j] == ' ' {
-                    j += 1;
-                }
-                let is_call = chars.get(j) == Some(&'(');
-                let lower = word.to_ascii_lowercase();
-                let is = |list: &str| list.split_whitespace().any(|w| w == lower);
-                if is(GROUPING) {
-                    skip_group = true;
-                } else if !(is_call || is(KEYWORDS)) {
-                    names.push(word);
-                }
-            }
-            '$' => {
-                // A Grafana variable outside a matcher: skip its name.
-                i += 1;
-                while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_') {
-                    i += 1;
-                }
-            }
-            _ => i += 1,
+            rest = &rest[c.len_utf8()..];
+            continue;
+        }
+        let (word, after) = rest.split_at(len);
+        rest = after;
+        let lower = word.to_ascii_lowercase();
+        let is = |list: &str| list.split_whitespace().any(|w| w == lower);
+        if is(GROUPING) {
+            grouping = true;
+        } else if !(in_labels
+            || is(KEYWORDS)
+            || after.trim_start().starts_with('(')
+            || word.starts_with(|c: char| c == '$' || c.is_ascii_digit()))
+        {
+            names.push(word.to_owned());
         }
     }
     names
@@ -139,6 +113,8 @@ fn metric_names_reads_promql() {
         metric_names("label_values(ratelimit_service_rate_limit_total_hits, domain)"),
         ["ratelimit_service_rate_limit_total_hits"]
     );
+    let expr = "topk($n, x_total offset 5m) * on(le) group_left(a) y:ratio > 1e3";
+    assert_eq!(metric_names(expr), ["x_total", "y:ratio"]);
 }
 
 pub(super) fn check_dashboard_shape(file: &str, d: &Value) {
