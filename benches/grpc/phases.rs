@@ -14,8 +14,9 @@ use rlsd_testkit::{h2load, rawh2};
 use tokio::runtime::{Handle, Runtime};
 use tonic::{Response, Status};
 
+use crate::WARMUP;
+use crate::opts::Opts;
 use crate::servers::Client;
-use crate::{Opts, WARMUP};
 
 /// Answers by kind.
 #[derive(Clone, Debug, Default)]

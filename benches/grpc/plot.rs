@@ -5,8 +5,9 @@ use std::fmt::Write as _;
 use rlsd::svg::{self, Frame, MUTED, SERIES, Swatch, escape, nice_ceiling, value_grid};
 use rlsd_testkit::workload::Shape;
 
+use crate::Plotted;
 use crate::ceiling::Ceiling;
-use crate::{Driver, Opts, Plotted};
+use crate::opts::{Driver, Opts};
 
 /// A plot series: its legend and one value per shape.
 pub(crate) type Series = (String, Vec<f64>);

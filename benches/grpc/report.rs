@@ -3,8 +3,9 @@
 use rlsd_testkit::workload::Shape;
 
 use crate::ceiling::Ceiling;
+use crate::opts::Opts;
 use crate::phases::{Phase, median};
-use crate::{Opts, uses_redis};
+use crate::uses_redis;
 
 pub(crate) struct Row {
     pub(crate) phase: String,

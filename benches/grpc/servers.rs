@@ -20,17 +20,20 @@ use rlsd::pb::{
     RateLimitServiceServer,
 };
 use rlsd::server::{self, Listeners, ServeOptions};
-use rlsd::service::{RateLimiter, ServiceSettings};
+use rlsd::service::{HeaderStyle, RateLimiter, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore, Store};
+use rlsd::telemetry::{OtlpProtocol, Telemetry, TracingSettings};
 use rlsd_testkit::rawh2;
+use rlsd_testkit::redis::RedisServer;
 use rlsd_testkit::workload::{self, Shape};
 use tokio::net::TcpListener;
-use tokio::runtime::Runtime;
+use tokio::runtime::{Handle, Runtime};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Response, Status};
 
 use crate::CLIENTS;
+use crate::opts::Opts;
 use crate::phases::runtime;
 
 pub(crate) type Client = RateLimitServiceClient<Channel>;
@@ -248,4 +251,108 @@ pub(crate) async fn connect(addr: SocketAddr, count: usize) -> Vec<Client> {
 /// The requests of `CLIENTS` distinct clients in `shape`.
 pub(crate) fn pool(shape: Shape) -> Arc<Vec<RateLimitRequest>> {
     Arc::new(shape.requests(CLIENTS))
+}
+
+/// A traced rlsd's exporter and the sink it exports to.
+pub(crate) type Traced = (Telemetry, OtlpSink);
+
+/// Starts every server `opts` asks for; with tracing, also the exporter and the sink it
+/// exports to, which must live until the end.
+pub(crate) fn start_servers(
+    opts: &Opts,
+    server_handle: &Handle,
+    client_rt: &Runtime,
+    pools: &[(Shape, Arc<Vec<RateLimitRequest>>)],
+    redis: &Option<RedisServer>,
+) -> (Vec<(&'static str, Served)>, Option<Traced>) {
+    let algorithm = opts.algorithm.as_str();
+    let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());
+    let mut addrs: Vec<(&'static str, Served)> = vec![
+        (
+            "baseline",
+            (server_handle.block_on(start_service(Baseline)), None),
+        ),
+        (
+            "rlsd",
+            server_handle.block_on(start_server(limiter, config, opts.lanes)),
+        ),
+    ];
+    if let Some(redis) = redis {
+        let (batch, pipelines) = (opts.max_batch, opts.pipelines);
+        addrs.push((
+            "redis",
+            server_handle.block_on(start_redis_rlsd(
+                algorithm, redis.port, batch, pipelines, opts.lanes,
+            )),
+        ));
+        addrs.push((
+            "redis-1",
+            server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1, 1, opts.lanes)),
+        ));
+    }
+    if opts.extra {
+        // rlsd's own answers, captured once, replayed by a server that does nothing else.
+        let rlsd = addrs[1].1.0;
+        let answers = client_rt.block_on(async {
+            let mut client = connect(rlsd, 1).await.remove(0);
+            let mut answers = Vec::new();
+            for (shape, requests) in pools {
+                let answer = client
+                    .should_rate_limit(requests[0].clone())
+                    .await
+                    .expect("rlsd answers")
+                    .into_inner();
+                answers.push((shape.descriptors(), answer));
+            }
+            answers
+        });
+        addrs.push((
+            "canned",
+            (
+                server_handle.block_on(start_service(Canned { answers })),
+                None,
+            ),
+        ));
+        let (limiter, _) = limiter_with(algorithm, ServiceSettings::default());
+        addrs.push((
+            "rlsd-svc",
+            (server_handle.block_on(start_service(limiter)), None),
+        ));
+        let no_headers = ServiceSettings {
+            headers: HeaderStyle::Off,
+            ..ServiceSettings::default()
+        };
+        let (limiter, _) = limiter_with(algorithm, no_headers);
+        addrs.push((
+            "rlsd-nohdr",
+            (server_handle.block_on(start_service(limiter)), None),
+        ));
+    }
+    let mut traced = None;
+    if opts.tracing {
+        let sink = OtlpSink::start();
+        let endpoint = format!("http://{}", sink.addr);
+        let telemetry = server_handle.block_on(async {
+            Telemetry::start(&TracingSettings {
+                service_name: "rlsd-bench".to_owned(),
+                service_namespace: String::new(),
+                service_instance_id: String::new(),
+                sampling_rate: 1.0,
+                endpoint: Some(endpoint),
+                protocol: OtlpProtocol::Grpc,
+            })
+            .expect("start tracing")
+        });
+        let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());
+        let limiter = limiter.with_tracing(telemetry.tracer());
+        addrs.push((
+            "rlsd-traced",
+            server_handle.block_on(start_server(limiter, config, opts.lanes)),
+        ));
+        traced = Some((telemetry, sink));
+    }
+    if let Some(only) = &opts.only {
+        addrs.retain(|(name, _)| only.iter().any(|o| o == name));
+    }
+    (addrs, traced)
 }
