@@ -183,7 +183,7 @@ fn main() {
         let _ = REDIS_PID.set((redis.pid(), redis.port));
         sample_evalsha_calls(redis.port);
     }
-    let (addrs, traced) = start_servers(&opts, &server_handle, &client_rt, &pools, &redis);
+    let (addrs, traced) = start_servers(&opts, &server_handle, &client_rt, &pools, redis.as_ref());
     let servers: Vec<(&'static str, Vec<Client>)> = client_rt.block_on(async {
         let mut servers = Vec::new();
         for (name, (addr, _)) in &addrs {

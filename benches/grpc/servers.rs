@@ -263,7 +263,7 @@ pub(crate) fn start_servers(
     server_handle: &Handle,
     client_rt: &Runtime,
     pools: &[(Shape, Arc<Vec<RateLimitRequest>>)],
-    redis: &Option<RedisServer>,
+    redis: Option<&RedisServer>,
 ) -> (Vec<(&'static str, Served)>, Option<Traced>) {
     let algorithm = opts.algorithm.as_str();
     let (limiter, config) = limiter_with(algorithm, ServiceSettings::default());

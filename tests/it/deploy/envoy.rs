@@ -9,8 +9,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::bootstrap::v3 as bootstrap;
+use envoy_types::pb::envoy::config::cluster::v3 as cluster;
 use envoy_types::pb::envoy::config::core::v3 as core;
 use envoy_types::pb::envoy::config::listener::v3 as listener;
+use envoy_types::pb::envoy::config::ratelimit::v3::RateLimitServiceConfig;
 use envoy_types::pb::envoy::config::route::v3 as route;
 use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3 as rl_filter;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -156,19 +158,38 @@ pub(super) fn envoy_bootstrap(relative: &str) -> (Value, EnvoyRateLimiting) {
 pub(super) fn envoy_bootstrap_text(what: &str, text: &str) -> (Value, EnvoyRateLimiting) {
     let yaml: Value = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
     let built: bootstrap::Bootstrap = envoy_message(what, &yaml);
-    for c in yaml.seq("static_resources.clusters") {
-        let name = c.str("name");
-        assert_eq!(
-            c.str("load_assignment.cluster_name"),
-            name,
-            "{what}: {name:?}"
-        );
+    only!(
+        what,
+        built,
+        bootstrap::Bootstrap {
+            admin,
+            static_resources
+        }
+    );
+    let resources = built.static_resources.as_ref().expect("static_resources");
+    only!(
+        what,
+        *resources,
+        bootstrap::bootstrap::StaticResources {
+            listeners,
+            clusters
+        }
+    );
+    for c in &resources.clusters {
+        #[rustfmt::skip]
+        only!(c.name, *c, cluster::Cluster {
+            name, connect_timeout, cluster_discovery_type, typed_extension_protocol_options,
+            load_assignment,
+        });
+        let assignment = c.load_assignment.as_ref().expect("load_assignment");
+        assert_eq!(assignment.cluster_name, c.name, "{what}: {}", c.name);
     }
     (yaml, rate_limiting(&built))
 }
 
 /// The rate limit filter's config, or `None` for the router; any other filter is not modelled.
 pub(super) fn rate_limit_filter(what: &str, f: &hcm::HttpFilter) -> Option<rl_filter::RateLimit> {
+    only!(what, *f, hcm::HttpFilter { name, config_type });
     let Some(hcm::http_filter::ConfigType::TypedConfig(any)) = &f.config_type else {
         panic!("{what}: HTTP filter {} without typed_config", f.name);
     };
@@ -179,6 +200,34 @@ pub(super) fn rate_limit_filter(what: &str, f: &hcm::HttpFilter) -> Option<rl_fi
             only!(what, filter, rl_filter::RateLimit {
                 domain, timeout, failure_mode_deny, enable_x_ratelimit_headers, rate_limit_service,
             });
+            let service = filter
+                .rate_limit_service
+                .as_ref()
+                .expect("rate_limit_service");
+            #[rustfmt::skip]
+            only!(what, *service, RateLimitServiceConfig { grpc_service, transport_api_version });
+            let v3 = core::ApiVersion::V3 as i32;
+            assert_eq!(
+                service.transport_api_version, v3,
+                "{what}: rlsd speaks v3 only"
+            );
+            let grpc = service.grpc_service.as_ref().expect("grpc_service");
+            only!(
+                what,
+                *grpc,
+                core::GrpcService {
+                    target_specifier,
+                    timeout
+                }
+            );
+            only!(
+                what,
+                *rlsd_target(&filter),
+                core::grpc_service::EnvoyGrpc {
+                    cluster_name,
+                    authority
+                }
+            );
             Some(filter)
         }
         "envoy.filters.http.router" => {
@@ -201,13 +250,26 @@ pub(super) struct EnvoyRateLimiting {
 fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
     use hcm::http_connection_manager::RouteSpecifier;
     let resources = built.static_resources.as_ref().expect("static_resources");
+    let clusters: BTreeSet<&str> = resources.clusters.iter().map(|c| c.name.as_str()).collect();
     let mut found = Vec::new();
-    for f in resources
-        .listeners
-        .iter()
-        .flat_map(|l| &l.filter_chains)
-        .flat_map(|chain| &chain.filters)
-    {
+    let mut filters = Vec::new();
+    for l in &resources.listeners {
+        only!(
+            l.name,
+            *l,
+            listener::Listener {
+                name,
+                address,
+                filter_chains
+            }
+        );
+        for chain in &l.filter_chains {
+            only!(l.name, *chain, listener::FilterChain { filters });
+            filters.extend(&chain.filters);
+        }
+    }
+    for f in filters {
+        only!(f.name, *f, listener::Filter { name, config_type });
         let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
             panic!("filter {} without typed_config", f.name);
         };
@@ -222,21 +284,43 @@ fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
             Some("envoy.filters.http.router"),
             "the router must be the last HTTP filter"
         );
-        let mut filters = manager
+        let mut rate_limit_filters: Vec<rl_filter::RateLimit> = manager
             .http_filters
             .iter()
-            .filter_map(|f| rate_limit_filter(&manager.stat_prefix, f));
-        let filter = filters.next().expect("the rate limit filter");
+            .filter_map(|f| rate_limit_filter(&manager.stat_prefix, f))
+            .collect();
+        assert_eq!(rate_limit_filters.len(), 1, "one rate limit filter");
+        let filter = rate_limit_filters.remove(0);
         let Some(RouteSpecifier::RouteConfig(routes)) = &manager.route_specifier else {
             panic!("an inline route_config");
         };
+        #[rustfmt::skip]
+        only!(routes.name, *routes, route::RouteConfiguration { name, virtual_hosts });
         let mut carriers: Vec<&Vec<route::RateLimit>> = Vec::new();
         for v in &routes.virtual_hosts {
+            #[rustfmt::skip]
+            only!(v.name, *v, route::VirtualHost { name, domains, routes, rate_limits });
             carriers.push(&v.rate_limits);
             for r in &v.routes {
-                if let Some(route::route::Action::Route(action)) = &r.action {
-                    carriers.push(&action.rate_limits);
-                }
+                only!(v.name, *r, route::Route { r#match, action });
+                let Some(route::route::Action::Route(action)) = &r.action else {
+                    panic!("{}: a route without a cluster", v.name);
+                };
+                only!(
+                    v.name,
+                    *action,
+                    route::RouteAction {
+                        cluster_specifier,
+                        rate_limits
+                    }
+                );
+                let Some(route::route_action::ClusterSpecifier::Cluster(cluster)) =
+                    &action.cluster_specifier
+                else {
+                    panic!("{}: a route without a cluster", v.name);
+                };
+                assert!(clusters.contains(cluster.as_str()), "no cluster {cluster}");
+                carriers.push(&action.rate_limits);
             }
         }
         carriers.retain(|entries| !entries.is_empty());
@@ -374,7 +458,15 @@ pub(super) fn header_matches(m: &route::HeaderMatcher, request: &Sample<'_>) -> 
     let Some(MatchPattern::Prefix(prefix)) = &s.match_pattern else {
         panic!("string match {s:?} is not modelled");
     };
-    assert!(!s.ignore_case && !m.invert_match, "{m:?} is not modelled");
+    only!(
+        m.name,
+        *m,
+        route::HeaderMatcher {
+            name,
+            header_match_specifier
+        }
+    );
+    only!(m.name, *s, matcher::StringMatcher { match_pattern });
     request
         .header(&m.name)
         .is_some_and(|v| v.starts_with(prefix.as_str()))
@@ -402,6 +494,11 @@ pub(super) fn descriptor(
                     None => None,
                 },
                 ActionSpecifier::HeaderValueMatch(m) => {
+                    #[rustfmt::skip]
+                    only!("header_value_match", *m, route::rate_limit::action::HeaderValueMatch {
+                        descriptor_value, descriptor_key, expect_match, headers,
+                    });
+                    assert!(!m.headers.is_empty(), "header_value_match needs headers");
                     let key = match m.descriptor_key.as_str() {
                         "" => "header_match",
                         key => key,
@@ -409,8 +506,6 @@ pub(super) fn descriptor(
                     let all = m.headers.iter().all(|h| header_matches(h, request));
                     if all == m.expect_match.as_ref().is_none_or(|b| b.value) {
                         pair(key, &m.descriptor_value)
-                    } else if !m.default_value.is_empty() {
-                        pair(key, &m.default_value)
                     } else {
                         None
                     }
@@ -419,8 +514,7 @@ pub(super) fn descriptor(
             },
         )
         .collect();
-    let entries: Vec<(String, String)> = entries?.into_iter().flatten().collect();
-    (!entries.is_empty()).then_some(entries)
+    Some(entries?.into_iter().flatten().collect())
 }
 
 /// The descriptors of one request: one per entry that produces one.
@@ -473,6 +567,10 @@ pub(super) fn check_against_example(what: &str, rl: &EnvoyRateLimiting) {
                 let Some(descriptor) = descriptor(entry, &sample) else {
                     continue;
                 };
+                assert!(
+                    !descriptor.is_empty(),
+                    "{what}: entry {i} sends an empty descriptor"
+                );
                 produced = true;
                 reached.insert(limited_node(&domain, &descriptor).path.clone());
             }
@@ -556,7 +654,7 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
         "rlsd is a loopback sidecar"
     );
 
-    // The admin interface is loopback only; the listener is 10000; every route has a cluster.
+    // The admin interface is loopback only; the listener is 10000.
     assert_eq!(
         y.str("admin.address.socket_address.address"),
         Some("127.0.0.1")
@@ -567,51 +665,76 @@ fn envoy_yaml_sends_the_three_layers_in_one_request() {
         listeners[0].int("address.socket_address.port_value"),
         Some(10000)
     );
-    let routes = listeners
-        .iter()
-        .flat_map(|l| l.seq("filter_chains"))
-        .flat_map(|chain| chain.seq("filters"))
-        .flat_map(|f| f.seq("typed_config.route_config.virtual_hosts"))
-        .flat_map(|v| v.seq("routes"));
-    for r in routes {
-        cluster_named(&y, r.str("route.cluster").expect("a route to a cluster"));
-    }
 }
 
 #[test]
-fn the_schema_refuses_what_envoy_refuses() {
-    let filter = |typed_config: Value| {
-        let value = serde_json::json!({ "name": "envoy.filters.http.ratelimit", "typed_config": typed_config });
-        std::panic::catch_unwind(|| envoy_message::<hcm::HttpFilter>("test", &value))
+fn the_schema_and_the_model_refuse_what_they_cannot_read() {
+    let read = |value: &Value| {
+        std::panic::catch_unwind(|| {
+            let filter: hcm::HttpFilter = envoy_message("test", value);
+            rate_limit_filter("test", &filter)
+        })
     };
     let good = serde_json::json!({
-        "@type": rl_filter::RateLimit::type_url(),
-        "domain": "d",
-        "timeout": "0.02s",
-        "failure_mode_deny": false,
-        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            "@type": rl_filter::RateLimit::type_url(),
+            "domain": "d",
+            "timeout": "0.02s",
+            "failure_mode_deny": false,
+            "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+            "rate_limit_service": {
+                "transport_api_version": "V3",
+                "grpc_service": { "envoy_grpc": { "cluster_name": "rlsd" } },
+            },
+        },
     });
-    let built = filter(good.clone()).expect("a well-formed filter");
-    let rate_limit = rate_limit_filter("test", &built).expect("the rate limit filter");
-    assert_eq!(
-        rate_limit.timeout,
-        Some(wkt::Duration {
-            seconds: 0,
-            nanos: 20_000_000
-        })
-    );
-    let spoiled = |key: &str, value: Value| {
-        let mut config = good.clone();
-        config[key] = value;
-        config
+    let rate_limit = read(&good)
+        .expect("well formed")
+        .expect("a rate limit filter");
+    let twenty_ms = wkt::Duration {
+        seconds: 0,
+        nanos: 20_000_000,
     };
-    for bad in [
-        spoiled("domian", "d".into()),
-        spoiled("timeout", "20ms".into()),
-        spoiled("enable_x_ratelimit_headers", "DRAFT_VERSION_3".into()),
-        spoiled("@type", "type.googleapis.com/envoy.config.RateLimit".into()),
-        serde_json::json!({ "@type": rl_filter::RateLimit::type_url(), "domain": "d" }),
+    assert_eq!(rate_limit.timeout, Some(twenty_ms));
+    let spoiled = |pointer: &str, value: Option<Value>| {
+        let mut spoiled = good.clone();
+        let (parent, key) = pointer.rsplit_once('/').expect("a pointer");
+        let parent = spoiled.pointer_mut(parent).and_then(Value::as_object_mut);
+        let parent = parent.expect("an object of the filter");
+        match value {
+            Some(value) => parent.insert(key.to_owned(), value),
+            None => parent.remove(key),
+        };
+        spoiled
+    };
+    let config = "/typed_config";
+    for (pointer, value) in [
+        // Envoy's schema: a misspelt field, a duration, an enum name, a type.
+        (format!("{config}/domian"), Some("d".into())),
+        (format!("{config}/timeout"), Some("20ms".into())),
+        (
+            format!("{config}/enable_x_ratelimit_headers"),
+            Some("V3".into()),
+        ),
+        (
+            format!("{config}/@type"),
+            Some("type.googleapis.com/RateLimit".into()),
+        ),
+        // What these checks refuse, or do not model.
+        (format!("{config}/failure_mode_deny"), None),
+        (format!("{config}/stage"), Some(1.into())),
+        ("/disabled".to_owned(), Some(true.into())),
+        (
+            format!("{config}/rate_limit_service/transport_api_version"),
+            Some("V2".into()),
+        ),
+        (
+            format!("{config}/rate_limit_service/grpc_service/envoy_grpc/skip_envoy_headers"),
+            Some(true.into()),
+        ),
     ] {
-        assert!(filter(bad.clone()).is_err(), "accepted {bad}");
+        let bad = spoiled(&pointer, value);
+        assert!(read(&bad).is_err(), "accepted {pointer}: {bad}");
     }
 }

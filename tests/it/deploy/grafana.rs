@@ -43,7 +43,7 @@ pub(super) fn expressions(v: &Value, out: &mut Vec<String>) {
 pub(super) fn metric_names(expr: &str) -> Vec<String> {
     const GROUPING: &str = "by without on ignoring group_left group_right";
     const KEYWORDS: &str = "bool and or unless offset sum min max avg group stddev stdvar count \
-        count_values bottomk topk quantile limitk limit_ratio inf nan";
+        count_values bottomk topk quantile limitk limit_ratio atan2 inf nan";
     let expr = match expr.strip_prefix("label_values(") {
         Some(rest) => rest.split(',').next().unwrap_or_default(),
         None => expr,
@@ -84,13 +84,11 @@ pub(super) fn metric_names(expr: &str) -> Vec<String> {
         rest = after;
         let lower = word.to_ascii_lowercase();
         let is = |list: &str| list.split_whitespace().any(|w| w == lower);
-        if is(GROUPING) {
-            grouping = true;
-        } else if !(in_labels
-            || is(KEYWORDS)
-            || after.trim_start().starts_with('(')
-            || word.starts_with(|c: char| c == '$' || c.is_ascii_digit()))
-        {
+        // A call, or the label list of a grouping word (`group_left` may stand alone).
+        let opens = after.trim_start().starts_with('(');
+        grouping = is(GROUPING) && opens;
+        let numeric_or_variable = word.starts_with(|c: char| c == '$' || c.is_ascii_digit());
+        if !(is(GROUPING) || in_labels || is(KEYWORDS) || opens || numeric_or_variable) {
             names.push(word.to_owned());
         }
     }
@@ -115,6 +113,8 @@ fn metric_names_reads_promql() {
     );
     let expr = "topk($n, x_total offset 5m) * on(le) group_left(a) y:ratio > 1e3";
     assert_eq!(metric_names(expr), ["x_total", "y:ratio"]);
+    let expr = "a * on(x) group_left b + rate(c[5m]) atan2 d";
+    assert_eq!(metric_names(expr), ["a", "b", "c", "d"]);
 }
 
 pub(super) fn check_dashboard_shape(file: &str, d: &Value) {

@@ -169,10 +169,16 @@ impl RlsdSettings {
         let mut env: BTreeMap<String, String> = image_env();
         for e in container.seq("env") {
             let name = e.str("name").expect("env name");
-            let value = e.str("value");
-            let value =
-                value.unwrap_or_else(|| panic!("{what}: {name} must be a string (quote numbers)"));
-            env.insert(name.to_owned(), value.to_owned());
+            if name.starts_with("RLSD_") {
+                assert!(
+                    e.get("valueFrom").is_none(),
+                    "{what}: {name}: valueFrom is not modelled"
+                );
+                let value = e.str("value");
+                let value = value
+                    .unwrap_or_else(|| panic!("{what}: {name} must be a string (quote numbers)"));
+                env.insert(name.to_owned(), value.to_owned());
+            }
         }
         // `command`, when set, must run `rlsd serve`; otherwise the image's entrypoint does.
         let mut args: Vec<String> = Vec::new();
@@ -198,37 +204,40 @@ impl RlsdSettings {
             args.push(arg.to_owned());
         }
         // The environment as flags, below the command line's own.
-        let given: BTreeSet<&str> = args.iter().filter_map(|a| a.split('=').next()).collect();
+        let given: BTreeSet<&str> = args
+            .iter()
+            .map(|a| a.split('=').next().unwrap_or(a))
+            .collect();
         let mut argv = vec!["rlsd".to_owned(), "serve".to_owned()];
         for (name, value) in env.iter().filter(|(name, _)| name.starts_with("RLSD_")) {
             let Some((flag_name, f)) = flag_for_env(name) else {
                 panic!("{what}: {name} is not a variable of an `rlsd serve` flag");
             };
-            if !given.contains(flag_name.as_str()) && (f.takes_value || value == "true") {
-                let value = if f.takes_value {
-                    format!("={value}")
-                } else {
-                    String::new()
-                };
-                argv.push(format!("{flag_name}{value}"));
+            if given.contains(flag_name.as_str()) {
+                continue;
+            }
+            match (f.takes_value, value.as_str()) {
+                (true, _) => argv.push(format!("{flag_name}={value}")),
+                (false, "true") => argv.push(flag_name.clone()),
+                (false, "false") => {}
+                (false, _) => panic!("{what}: {name}={value}: rlsd reads only true or false"),
             }
         }
         argv.extend(args);
-        let command = <rlsd::cli::Cli as clap::CommandFactory>::command();
+        // The manifest's environment only: clap would read this test's own `RLSD_*` variables.
+        let unset = |arg: clap::Arg| arg.env(None::<&'static str>);
+        let command = <rlsd::cli::Cli as clap::CommandFactory>::command()
+            .mut_args(unset)
+            .mut_subcommand("serve", |serve| serve.mut_args(unset));
         let matches = command.clone().try_get_matches_from(&argv);
         let matches = matches.unwrap_or_else(|e| panic!("{what}: rlsd refuses {argv:?}: {e}"));
         let serve = matches.subcommand_matches("serve").expect("serve");
         let serve_command = command.find_subcommand("serve").expect("serve");
         let mut values = BTreeMap::new();
         for arg in command.get_arguments().chain(serve_command.get_arguments()) {
-            use clap::parser::ValueSource::{CommandLine, DefaultValue};
             let (id, Some(long)) = (arg.get_id().as_str(), arg.get_long()) else {
                 continue;
             };
-            // Set by this test's own environment, not by the manifest.
-            if !matches!(serve.value_source(id), Some(CommandLine | DefaultValue)) {
-                continue;
-            }
             if let Ok(Some(raw)) = serve.try_get_raw(id) {
                 let raw: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
                 values.insert(format!("--{long}"), raw.join(","));
