@@ -15,7 +15,8 @@ use super::envoy::{
 };
 use super::image::{dockerfile, dockerfile_entrypoint, dockerfile_final_stage};
 use super::{
-    EXAMPLE, Tree, default_port, flag_for_env, is_yaml, load_config, port_of, read, yaml_documents,
+    EXAMPLE, Tree, default_port, flag_for_env, is_yaml, load_config, port_of, read, serve_flags,
+    yaml_documents,
 };
 
 // === Kubernetes ==================================================================================
@@ -210,13 +211,13 @@ impl RlsdSettings {
             .collect();
         let mut argv = vec!["rlsd".to_owned(), "serve".to_owned()];
         for (name, value) in env.iter().filter(|(name, _)| name.starts_with("RLSD_")) {
-            let Some((flag_name, f)) = flag_for_env(name) else {
+            let Some((flag_name, arg)) = flag_for_env(name) else {
                 panic!("{what}: {name} is not a variable of an `rlsd serve` flag");
             };
             if given.contains(flag_name.as_str()) {
                 continue;
             }
-            match (f.takes_value, value.as_str()) {
+            match (arg.get_action().takes_values(), value.as_str()) {
                 (true, _) => argv.push(format!("{flag_name}={value}")),
                 (false, "true") => argv.push(flag_name.clone()),
                 (false, "false") => {}
@@ -232,15 +233,11 @@ impl RlsdSettings {
         let matches = command.clone().try_get_matches_from(&argv);
         let matches = matches.unwrap_or_else(|e| panic!("{what}: rlsd refuses {argv:?}: {e}"));
         let serve = matches.subcommand_matches("serve").expect("serve");
-        let serve_command = command.find_subcommand("serve").expect("serve");
         let mut values = BTreeMap::new();
-        for arg in command.get_arguments().chain(serve_command.get_arguments()) {
-            let (id, Some(long)) = (arg.get_id().as_str(), arg.get_long()) else {
-                continue;
-            };
-            if let Ok(Some(raw)) = serve.try_get_raw(id) {
+        for (long, arg) in serve_flags() {
+            if let Ok(Some(raw)) = serve.try_get_raw(arg.get_id().as_str()) {
                 let raw: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
-                values.insert(format!("--{long}"), raw.join(","));
+                values.insert(long.clone(), raw.join(","));
             }
         }
         RlsdSettings { values }

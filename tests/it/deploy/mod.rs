@@ -20,7 +20,7 @@ mod grafana;
 mod image;
 mod kubernetes;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -240,51 +240,31 @@ fn json_with_duplicate_keys_is_refused() {
 
 // === rlsd itself =================================================================================
 
-/// A flag of `rlsd serve`, as its clap command defines it.
-#[derive(Debug, Clone)]
-struct Flag {
-    takes_value: bool,
-    env: Option<String>,
-    default: Option<String>,
-}
-
-/// `rlsd serve`'s flags by long name (`--config`), read from the clap command itself.
-fn serve_flags() -> &'static BTreeMap<String, Flag> {
-    static FLAGS: OnceLock<BTreeMap<String, Flag>> = OnceLock::new();
+/// `rlsd serve`'s flags, each with its long name (`--config`), from rlsd's clap command.
+fn serve_flags() -> &'static [(String, clap::Arg)] {
+    static FLAGS: OnceLock<Vec<(String, clap::Arg)>> = OnceLock::new();
     FLAGS.get_or_init(|| {
-        let command = <rlsd::cli::Cli as clap::CommandFactory>::command();
+        let mut command = <rlsd::cli::Cli as clap::CommandFactory>::command();
+        // Building propagates the global flags (`--log-level`) into `serve`.
+        command.build();
         let serve = command
             .find_subcommand("serve")
             .expect("a serve subcommand");
-        // The global flags (`--log-level`) are defined on the top command.
-        command
-            .get_arguments()
-            .chain(serve.get_arguments())
-            .filter_map(|arg| {
-                let flag = Flag {
-                    takes_value: arg.get_action().takes_values(),
-                    env: arg.get_env().map(|env| env.to_string_lossy().into_owned()),
-                    default: arg
-                        .get_default_values()
-                        .first()
-                        .map(|value| value.to_string_lossy().into_owned()),
-                };
-                Some((format!("--{}", arg.get_long()?), flag))
-            })
-            .collect()
+        let long = |arg: &clap::Arg| Some((format!("--{}", arg.get_long()?), arg.clone()));
+        serve.get_arguments().filter_map(long).collect()
     })
 }
 
-fn flag(name: &str) -> &'static Flag {
-    serve_flags()
-        .get(name)
+fn flag(name: &str) -> &'static clap::Arg {
+    let found = serve_flags().iter().find(|(long, _)| long == name);
+    &found
         .unwrap_or_else(|| panic!("`rlsd serve` has no {name}"))
+        .1
 }
 
-fn flag_for_env(env: &str) -> Option<(&'static String, &'static Flag)> {
-    serve_flags()
-        .iter()
-        .find(|(_, f)| f.env.as_deref() == Some(env))
+fn flag_for_env(env: &str) -> Option<&'static (String, clap::Arg)> {
+    let mut flags = serve_flags().iter();
+    flags.find(|(_, arg)| arg.get_env().is_some_and(|e| e == env))
 }
 
 fn port_of(addr: &str) -> u16 {
@@ -294,7 +274,8 @@ fn port_of(addr: &str) -> u16 {
 }
 
 fn default_port(flag_name: &str) -> u16 {
-    let default = flag(flag_name).default.as_deref();
+    let default = flag(flag_name).get_default_values().first();
+    let default = default.and_then(|value| value.to_str());
     port_of(default.unwrap_or_else(|| panic!("{flag_name} has no default")))
 }
 
@@ -302,8 +283,12 @@ fn default_port(flag_name: &str) -> u16 {
 fn the_flags_are_read_from_rlsd() {
     assert_eq!(default_port("--grpc-addr"), 8081);
     assert_eq!(default_port("--http-addr"), 8080);
-    assert_eq!(flag("--config").env.as_deref(), Some("RLSD_CONFIG"));
-    assert!(flag("--config").takes_value);
+    assert!(
+        flag("--config")
+            .get_env()
+            .is_some_and(|env| env == "RLSD_CONFIG")
+    );
+    assert!(flag("--config").get_action().takes_values());
 }
 
 /// A config, loaded as rlsd loads it.
