@@ -123,9 +123,17 @@ pub struct ServeArgs {
     /// Extra gRPC metadata on the xDS stream: `k1:v1,k2=v2`.
     #[arg(long, env = "RLSD_XDS_HEADERS", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
     pub xds_headers: Option<Pairs>,
-    /// Wait after a lost xDS stream before reconnecting, in milliseconds.
+    /// Wait after a lost xDS stream before reconnecting, in milliseconds; it doubles with
+    /// each further loss in a row, up to `--xds-retry-max-ms`.
     #[arg(long, env = "RLSD_XDS_RETRY_INTERVAL_MS", default_value_t = 3000)]
     pub xds_retry_interval_ms: u64,
+    /// The longest wait between xDS reconnects, in milliseconds.
+    #[arg(long, env = "RLSD_XDS_RETRY_MAX_MS", default_value_t = 60_000)]
+    pub xds_retry_max_ms: u64,
+    /// Spread of each xDS reconnect wait, as a fraction of it (0 to 1), so that replicas do not
+    /// redial in step.
+    #[arg(long, env = "RLSD_XDS_RETRY_JITTER", default_value_t = 0.5, value_parser = ratio)]
+    pub xds_retry_jitter: f64,
     /// Connect to the xDS server over TLS.
     #[arg(long, env = "RLSD_XDS_TLS", requires = "config_xds")]
     pub xds_tls: bool,
@@ -513,6 +521,8 @@ impl ServeArgs {
                 .map(|pairs| pairs.0)
                 .unwrap_or_default(),
             retry_interval: Duration::from_millis(self.xds_retry_interval_ms),
+            retry_max: Duration::from_millis(self.xds_retry_max_ms),
+            retry_jitter: self.xds_retry_jitter,
             headers: self
                 .xds_headers
                 .clone()

@@ -320,9 +320,9 @@ fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<
         "config-xds",
         get("CONFIG_GRPC_XDS_SERVER_URL").unwrap_or("localhost:18000".into()),
     );
-    if let Some(id) = get("CONFIG_GRPC_XDS_NODE_ID") {
-        flags.flag("xds-node-id", id);
-    }
+    // envoyproxy/ratelimit's default node id, which a control plane may key its snapshot on.
+    let node_id = get("CONFIG_GRPC_XDS_NODE_ID").unwrap_or("default".into());
+    flags.flag("xds-node-id", node_id);
     for (variable, flag) in [
         ("CONFIG_GRPC_XDS_NODE_METADATA", "xds-node-metadata"),
         ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "xds-headers"),
@@ -333,15 +333,42 @@ fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<
             flags.flag(flag, pairs);
         }
     }
-    if let Some(interval) = get("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL") {
-        let duration = go_duration(&interval).ok_or_else(|| {
-            invalid(
-                "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
-                &interval,
-                "a duration such as 3s or 500ms",
-            )
-        })?;
-        flags.flag("xds-retry-interval-ms", duration.as_millis().to_string());
+    // Theirs retries a connect at one interval and backs off lost streams from another; ours
+    // backs off from one: the backoff's when it is set.
+    let initial = [
+        "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
+        "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+    ]
+    .into_iter()
+    .find(|variable| get(variable).is_some());
+    let maximum = Some("XDS_CLIENT_BACKOFF_MAX_INTERVAL");
+    for (variable, flag) in [
+        (initial, "xds-retry-interval-ms"),
+        (maximum, "xds-retry-max-ms"),
+    ] {
+        let Some((variable, interval)) = variable.and_then(|v| Some((v, get(v)?))) else {
+            continue;
+        };
+        let duration = go_duration(&interval)
+            .ok_or_else(|| invalid(variable, &interval, "a duration such as 3s or 500ms"))?;
+        flags.flag(flag, duration.as_millis().to_string());
+    }
+    let jitter = match get("XDS_CLIENT_BACKOFF_JITTER") {
+        Some(value) => boolean("XDS_CLIENT_BACKOFF_JITTER", Some(value))?,
+        None => true,
+    };
+    let variable = "XDS_CLIENT_BACKOFF_RANDOM_FACTOR";
+    match get(variable) {
+        _ if !jitter => flags.flag("xds-retry-jitter", "0".into()),
+        Some(factor) => {
+            let fraction = factor
+                .parse::<f64>()
+                .ok()
+                .filter(|f| (0.0..=1.0).contains(f));
+            fraction.ok_or_else(|| invalid(variable, &factor, "a number from 0 to 1"))?;
+            flags.flag("xds-retry-jitter", factor);
+        }
+        None => {}
     }
     if boolean(
         "CONFIG_GRPC_XDS_SERVER_USE_TLS",

@@ -51,8 +51,12 @@ pub struct XdsSettings {
     pub node_id: String,
     /// `node.metadata`, as string values.
     pub node_metadata: Vec<(String, String)>,
-    /// Wait between a lost stream and the next attempt.
+    /// Wait between a lost stream and the next attempt; doubled for each further loss in a row.
     pub retry_interval: Duration,
+    /// The longest wait between attempts.
+    pub retry_max: Duration,
+    /// Each wait is drawn from `wait * (1 ± retry_jitter)`.
+    pub retry_jitter: f64,
     /// Extra gRPC metadata sent with the stream.
     pub headers: Vec<(String, String)>,
     /// TLS to the server; `None` for plaintext (unless the URL is `https://`).
@@ -70,6 +74,19 @@ pub struct XdsTls {
     pub key: Option<PathBuf>,
     /// The name the server's certificate must carry (default: the URL's host).
     pub san: Option<String>,
+}
+
+/// The wait before the next stream after `losses` streams in a row that brought no response:
+/// the retry interval, doubled per further loss, capped, and spread by `draw` (0 to 1) over
+/// `wait * (1 ± jitter)`, so replicas that lost the same server do not redial in step.
+fn backoff(settings: &XdsSettings, losses: u32, draw: f64) -> Duration {
+    let doublings = losses.saturating_sub(1).min(32);
+    let base = settings
+        .retry_interval
+        .saturating_mul(1 << doublings.min(31));
+    let capped = base.min(settings.retry_max.max(settings.retry_interval));
+    let jitter = settings.retry_jitter.clamp(0.0, 1.0);
+    capped.mul_f64(1.0 + jitter * (2.0 * draw.clamp(0.0, 1.0) - 1.0))
 }
 
 /// Why the client cannot be set up or a stream ended.
@@ -194,8 +211,12 @@ impl XdsClient {
     /// Streams config until the process ends, reconnecting after each loss.
     pub async fn run(self) {
         let mut acked = String::new();
+        // Losses in a row; a stream that delivered a response starts the count again.
+        let mut losses = 0;
+        let spread = foldhash::fast::RandomState::default();
         loop {
-            match self.session(&mut acked).await {
+            let mut answered = false;
+            match self.session(&mut acked, &mut answered).await {
                 Ok(()) => {
                     tracing::warn!(server = %self.settings.server, "xDS stream closed by the server")
                 }
@@ -203,12 +224,17 @@ impl XdsClient {
                     tracing::warn!(server = %self.settings.server, %error, "xDS stream lost")
                 }
             }
-            tokio::time::sleep(self.settings.retry_interval).await;
+            losses = if answered { 0 } else { losses + 1 };
+            let draw =
+                std::hash::BuildHasher::hash_one(&spread, (losses, std::time::SystemTime::now()));
+            let wait = backoff(&self.settings, losses, draw as f64 / u64::MAX as f64);
+            tracing::info!(server = %self.settings.server, wait_ms = wait.as_millis(), "xDS reconnect");
+            tokio::time::sleep(wait).await;
         }
     }
 
     /// One stream: subscribe with the last ACKed version, then answer every response.
-    async fn session(&self, acked: &mut String) -> Result<(), XdsError> {
+    async fn session(&self, acked: &mut String, answered: &mut bool) -> Result<(), XdsError> {
         let channel = self
             .endpoint
             .connect()
@@ -232,6 +258,7 @@ impl XdsClient {
             .into_inner();
         tracing::info!(server = %self.settings.server, version = %acked, "xDS stream open");
         while let Some(response) = responses.message().await? {
+            *answered = true;
             let reply = match self.apply(&response) {
                 Ok(()) => {
                     acked.clone_from(&response.version_info);

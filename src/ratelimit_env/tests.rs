@@ -379,7 +379,8 @@ fn envoy_gateways_variables_mean_xds_over_tls_redis_over_tls_and_a_metrics_port(
 fn xds_variables_take_envoyproxy_ratelimits_defaults_and_go_durations() {
     let flags = read(&[("CONFIG_TYPE", "grpc_xds_sotw")]).expect("supported");
     assert_eq!(value(&flags, "config-xds"), Some("localhost:18000"));
-    assert_eq!(value(&flags, "xds-node-id"), None);
+    assert_eq!(value(&flags, "xds-node-id"), Some("default"));
+    assert_eq!(value(&flags, "xds-retry-jitter"), None);
     assert!(!flags.args.iter().any(|arg| arg.starts_with("--xds-tls")));
     assert!(!flags.args.iter().any(|arg| arg == "--xds-force-start"));
 
@@ -396,6 +397,45 @@ fn xds_variables_take_envoyproxy_ratelimits_defaults_and_go_durations() {
     assert_eq!(value(&flags, "xds-headers"), Some("x-token:abc"));
     assert_eq!(value(&flags, "xds-retry-interval-ms"), Some("61500"));
     assert_eq!(value(&flags, "xds-tls-ca"), None);
+
+    // The backoff's own variables: its initial interval wins over the connect retry's.
+    let backoff = [
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "3s"),
+        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "10s"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "2m"),
+        ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "0.25"),
+    ];
+    let flags = read(&backoff).expect("supported");
+    let retry: Vec<&String> = flags
+        .args
+        .iter()
+        .filter(|a| a.starts_with("--xds-retry"))
+        .collect();
+    assert_eq!(
+        retry,
+        [
+            "--xds-retry-interval-ms=10000",
+            "--xds-retry-max-ms=120000",
+            "--xds-retry-jitter=0.25"
+        ]
+    );
+    let flags = read(&[
+        backoff[0],
+        backoff[4],
+        ("XDS_CLIENT_BACKOFF_JITTER", "false"),
+    ]);
+    assert_eq!(
+        value(&flags.expect("supported"), "xds-retry-jitter"),
+        Some("0")
+    );
+    for bad in [
+        ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "2"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "1"),
+    ] {
+        let error = read(&[backoff[0], bad]).expect_err("refused");
+        assert!(error.to_string().contains(bad.0), "{error}");
+    }
 
     for (text, millis) in [
         ("3s", Some(3000)),

@@ -180,3 +180,45 @@ fn quota_mode_and_metadata_come_over_xds_as_in_files() {
     );
     assert_eq!(metadata.fields["cost"].kind, Some(Kind::NumberValue(1.5)));
 }
+
+fn retry_settings(jitter: f64) -> XdsSettings {
+    XdsSettings {
+        server: "localhost:18000".to_owned(),
+        node_id: "n".to_owned(),
+        node_metadata: Vec::new(),
+        retry_interval: Duration::from_secs(3),
+        retry_max: Duration::from_secs(60),
+        retry_jitter: jitter,
+        headers: Vec::new(),
+        tls: None,
+    }
+}
+
+#[test]
+fn reconnects_back_off_from_the_interval_to_the_ceiling() {
+    let settings = retry_settings(0.0);
+    let waits: Vec<u64> = (0..8)
+        .map(|losses| backoff(&settings, losses, 0.3).as_secs())
+        .collect();
+    // After a stream that brought a response, and after the first loss: the interval.
+    assert_eq!(waits, [3, 3, 6, 12, 24, 48, 60, 60]);
+    assert_eq!(backoff(&settings, u32::MAX, 0.3), Duration::from_secs(60));
+    // A ceiling below the interval leaves the interval.
+    let settings = XdsSettings {
+        retry_max: Duration::from_secs(1),
+        ..settings
+    };
+    assert_eq!(backoff(&settings, 5, 0.3), Duration::from_secs(3));
+}
+
+#[test]
+fn jitter_spreads_each_wait_over_its_fraction() {
+    let settings = retry_settings(0.5);
+    assert_eq!(backoff(&settings, 3, 0.0), Duration::from_secs(6));
+    assert_eq!(backoff(&settings, 3, 0.5), Duration::from_secs(12));
+    assert_eq!(backoff(&settings, 3, 1.0), Duration::from_secs(18));
+    assert_eq!(
+        backoff(&retry_settings(0.0), 3, 1.0),
+        Duration::from_secs(12)
+    );
+}

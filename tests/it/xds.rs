@@ -604,3 +604,61 @@ fn an_xds_server_that_fails_verification_configures_nothing() {
     assert_eq!(codes(&rlsd, "guarded", 2), [OK, OVER_LIMIT]);
     server.stop();
 }
+
+/// The waits rlsd logged before its reconnects so far, in milliseconds.
+fn reconnect_waits(rlsd: &Rlsd) -> Vec<u64> {
+    let log = rlsd.log();
+    let waits = log.lines().filter(|line| line.contains("xDS reconnect"));
+    let wait = |line: &str| {
+        line.split("wait_ms=")
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    waits.filter_map(wait).collect()
+}
+
+/// While the management server is away the waits double up to the ceiling, and a stream that
+/// brought a config starts them again from the interval.
+#[test]
+fn reconnects_back_off_while_the_server_is_away_and_start_over_after_a_config() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let rlsd = Rlsd::serve([
+        "--config-xds",
+        &port.to_string(),
+        "--xds-force-start",
+        "--xds-retry-interval-ms",
+        "40",
+        "--xds-retry-max-ms",
+        "160",
+        "--xds-retry-jitter",
+        "0",
+    ]);
+    let deadline = Instant::now() + WAIT;
+    while reconnect_waits(&rlsd).len() < 5 {
+        assert!(Instant::now() < deadline, "no retries:\n{}", rlsd.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(reconnect_waits(&rlsd)[..5], [40, 80, 160, 160, 160]);
+
+    // The server comes up on that port, configures rlsd, and goes away again.
+    let server = AdsServer::start(port, Arc::default());
+    server.push("1", limits("back", 1, RateLimitUnit::Minute));
+    server.wait_for("ACK of version 1", is_ack("1"));
+    let before = reconnect_waits(&rlsd).len();
+    server.stop();
+    while reconnect_waits(&rlsd).len() < before + 3 {
+        assert!(Instant::now() < deadline, "no retries:\n{}", rlsd.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        reconnect_waits(&rlsd)[before..before + 3],
+        [40, 40, 80],
+        "{}",
+        rlsd.log()
+    );
+}
