@@ -385,6 +385,12 @@ async fn the_json_endpoint_answers_200_429_and_400() {
         assert_eq!(status, 400, "{bad}: {answer}");
         assert!(!answer.is_empty());
     }
+    // Timed as gRPC calls are: the two answers and the empty domain, not what did not parse.
+    let (_, text) = common::http_get(http, "/metrics").await;
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .expect("an exposition");
+    let latency = "ratelimit_service_should_rate_limit_duration_seconds_count";
+    assert_eq!(sample(&scrape, latency, &[]), Some(3.0), "{text}");
     let _ = stop.send(());
     task.await.expect("server");
 }
