@@ -359,9 +359,17 @@ local function run(c, st, now, want, take)
   return allowed, remaining, round_up_ms(reset), unconsumed, new, ttl
 end
 
+-- The reset of a request that never passes: a fixed window's end, else one period (as in Rust).
+local function never_reset(c, now)
+  if c.alg == 'fw' then
+    return round_up_ms(c.p - now % c.p)
+  end
+  return round_up_ms(c.p)
+end
+
 local function assess(c, mode, n, st, now)
   if c.l == 0 then
-    return mode == 'r', 0, round_up_ms(c.p), 0
+    return mode == 'r', 0, never_reset(c, now), 0
   end
   if mode == 'p' then
     return run(c, st, now, 1, 0)
@@ -376,7 +384,7 @@ local function assess(c, mode, n, st, now)
   end
   if n > c.capacity then
     local _, remaining = run(c, st, now, 0, 0)
-    return false, remaining, round_up_ms(c.p), remaining
+    return false, remaining, never_reset(c, now), remaining
   end
   return run(c, st, now, n, n)
 end

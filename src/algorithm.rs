@@ -142,7 +142,7 @@ pub fn assess(params: &Params, state: Option<&State>, now: u64, hits: Hits) -> A
         let verdict = Verdict {
             allowed: matches!(hits, Hits::Refund(_)),
             remaining: 0,
-            reset_us: round_up_to_ms(params.period_us),
+            reset_us: round_up_to_ms(never_reset_us(params, now)),
         };
         return Assessment {
             verdict,
@@ -158,15 +158,24 @@ pub fn assess(params: &Params, state: Option<&State>, now: u64, hits: Hits) -> A
     }
 }
 
-/// A request larger than the capacity never passes. Its reset is one period: there is no time at
-/// which it would pass, and a period is when any state has certainly drained.
+/// The reset of a request that never passes (`L = 0`, or more hits than the capacity): there is
+/// no time at which it would. A fixed window reports its end, as it does for every answer (and as
+/// envoyproxy/ratelimit does); the others one period, when any state has certainly drained.
+fn never_reset_us(params: &Params, now: u64) -> u64 {
+    match params.algorithm {
+        Algorithm::FixedWindow => params.period_us - now % params.period_us,
+        _ => params.period_us,
+    }
+}
+
+/// A request larger than the capacity never passes; see [`never_reset_us`].
 fn impossible(params: &Params, state: Option<&State>, now: u64) -> Assessment {
     let idle = run(params, state, now, 0, 0).verdict;
     Assessment {
         verdict: Verdict {
             allowed: false,
             remaining: idle.remaining,
-            reset_us: round_up_to_ms(params.period_us),
+            reset_us: round_up_to_ms(never_reset_us(params, now)),
         },
         unconsumed_remaining: idle.remaining,
         update: None,

@@ -254,6 +254,13 @@ fn zero_limit_denies_everything() {
         assert!(!v.allowed, "{}", key.params.algorithm);
         assert_eq!(v.remaining, 0);
         assert!(key.state.is_none(), "L = 0 never touches state");
+        // 10.5 s into a minute: a fixed window ends in 49.5 s, the others say a period.
+        let v = key.take(70 * S + S / 2);
+        let never = match key.params.algorithm {
+            Algorithm::FixedWindow => 49 * S + S / 2,
+            _ => 60 * S,
+        };
+        assert_eq!(v.reset_us, never, "{}", key.params.algorithm);
     }
 }
 

@@ -224,10 +224,15 @@ async fn hits_peek_refund_and_capacity<S: Store>(store: &S, clock: &ManualClock)
             (true, 3),
             "{algorithm}: a peek takes nothing"
         );
+        // Never passing, so a fixed window says when it ends, the others a period.
+        let never = match algorithm {
+            Algorithm::FixedWindow => 60 * S - (T0 + 7 * S) % (60 * S),
+            _ => 60 * S,
+        };
         let v = one(store, &c(Hits::Take(11))).await;
         assert_eq!(
-            (v.allowed, v.remaining),
-            (false, 3),
+            (v.allowed, v.remaining, v.reset_us),
+            (false, 3, never),
             "{algorithm}: more than capacity"
         );
         let v = one(store, &c(Hits::Refund(5))).await;
@@ -249,7 +254,12 @@ async fn hits_peek_refund_and_capacity<S: Store>(store: &S, clock: &ManualClock)
             1,
             Hits::Take(1),
         );
-        assert!(!one(store, &zero).await.allowed, "{algorithm}: L = 0");
+        let v = one(store, &zero).await;
+        assert_eq!(
+            (v.allowed, v.reset_us),
+            (false, never),
+            "{algorithm}: L = 0"
+        );
     }
 }
 
