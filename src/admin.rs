@@ -42,6 +42,14 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
+/// What `--debug-addr` serves: the limits and the metrics, nothing that changes state.
+pub fn debug_router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/rlconfig", get(rlconfig))
+        .with_state(state)
+}
+
 /// Only the metrics, at `path`: the port `--metrics-addr` opens.
 pub fn metrics_router(path: &str, metrics: Arc<Metrics>) -> Router {
     Router::new().route(

@@ -169,6 +169,10 @@ pub struct ServeArgs {
     /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
+    /// Also serve `/rlconfig` and `/metrics`, read-only, on this address (envoyproxy/ratelimit's
+    /// debug port, 6070 when run as `/bin/ratelimit`).
+    #[arg(long, env = "RLSD_DEBUG_ADDR")]
+    pub debug_addr: Option<SocketAddr>,
     /// Also serve the metrics, and only them, on this address (a port Prometheus scrapes).
     #[arg(long, env = "RLSD_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,

@@ -136,8 +136,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .grpc_unix
             .as_ref()
             .map(|socket| socket.path().display().to_string());
+        let debug_addr = listeners.debug.as_ref().and_then(|l| Some(l.local_addr().ok()?.to_string()));
         let threads = args.serving_threads();
-        tracing::info!(%grpc, %http, grpc_unix, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
+        tracing::info!(%grpc, %http, grpc_unix, debug = debug_addr, store = store_name, tls = grpc_tls, threads, lanes = options.lanes, "serving");
         let served =
             server::run_with(limiter, config, listeners, options, server::termination_signal())
                 .await;
@@ -161,11 +162,18 @@ async fn bind(args: &ServeArgs) -> anyhow::Result<Listeners> {
             .with_grpc_unix(path, args.grpc_unix_socket_mode)
             .context("binding --grpc-unix-socket")?,
     };
-    Ok(match args.metrics_addr {
+    let listeners = match args.metrics_addr {
         None => listeners,
         Some(addr) => listeners
             .with_metrics(addr, args.metrics_path.clone())
             .await
             .with_context(|| format!("binding --metrics-addr {addr}"))?,
+    };
+    Ok(match args.debug_addr {
+        None => listeners,
+        Some(addr) => listeners
+            .with_debug(addr)
+            .await
+            .with_context(|| format!("binding --debug-addr {addr}"))?,
     })
 }

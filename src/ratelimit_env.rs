@@ -254,11 +254,8 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         }
     }
     tracing(&get, &mut flags)?;
-    if get("DEBUG_PORT").is_some() {
-        flags
-            .notes
-            .push("DEBUG_PORT: /rlconfig is on the HTTP port (PORT), not a debug port".into());
-    }
+    // Theirs always opens its debug port; ours serves /rlconfig and /metrics there.
+    flags.flag("debug-addr", host_port("DEBUG_HOST", "DEBUG_PORT", "6070")?);
     Ok(flags)
 }
 

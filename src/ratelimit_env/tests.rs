@@ -58,6 +58,11 @@ fn unset_variables_take_envoyproxy_ratelimits_defaults() {
         Some("redis+unix:///var/run/nutcracker/ratelimit.sock")
     );
     assert_eq!(value(&flags, "log-level"), None);
+    assert_eq!(value(&flags, "debug-addr"), Some("0.0.0.0:6070"));
+    let flags = read(&[("DEBUG_HOST", "127.0.0.1"), ("DEBUG_PORT", "6071")]).expect("supported");
+    assert_eq!(value(&flags, "debug-addr"), Some("127.0.0.1:6071"));
+    let error = read(&[("DEBUG_PORT", "debug")]).expect_err("not a port");
+    assert!(error.to_string().contains("DEBUG_PORT"), "{error}");
 }
 
 #[test]

@@ -55,6 +55,8 @@ pub struct Listeners {
     pub grpc_unix: Option<UnixSocket>,
     /// A second HTTP port serving only the metrics, and the path it serves them on.
     pub metrics: Option<(TcpListener, String)>,
+    /// An HTTP port serving `/rlconfig` and `/metrics` only (envoyproxy/ratelimit's debug port).
+    pub debug: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -68,7 +70,17 @@ impl Listeners {
             http: TcpListener::bind(http).await?,
             grpc_unix: None,
             metrics: None,
+            debug: None,
         })
+    }
+
+    /// Serves `/rlconfig` and `/metrics` on `addr` too.
+    ///
+    /// # Errors
+    /// When the address cannot be bound.
+    pub async fn with_debug(mut self, addr: SocketAddr) -> std::io::Result<Listeners> {
+        self.debug = Some(TcpListener::bind(addr).await?);
+        Ok(self)
     }
 
     /// Serves the metrics at `path` on `addr` too (Prometheus scraping a port of its own).
@@ -242,13 +254,18 @@ pub async fn run_with<S: Store>(
         health,
         limiter,
     };
+    let debug = listeners.debug.map(|listener| {
+        let serve = axum::serve(listener, admin::debug_router(admin_state.clone()))
+            .with_graceful_shutdown(stopped(stop_rx.clone()));
+        tokio::spawn(async move { serve.await })
+    });
     let admin = axum::serve(listeners.http, admin::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));
     let ((), admin) = tokio::join!(grpc, admin);
-    if let Some(task) = metrics_only {
+    for task in [metrics_only, debug].into_iter().flatten() {
         match task.await {
             Ok(result) => result.map_err(ServerError::Http)?,
-            Err(error) => tracing::warn!(%error, "metrics port task failed"),
+            Err(error) => tracing::warn!(%error, "metrics or debug port task failed"),
         }
     }
     prober.abort();

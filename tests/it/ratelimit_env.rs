@@ -40,6 +40,8 @@ fn ratelimit(dir: &Path) -> std::process::Command {
         .env("PORT", "0")
         .env("GRPC_HOST", "127.0.0.1")
         .env("GRPC_PORT", "0")
+        .env("DEBUG_HOST", "127.0.0.1")
+        .env("DEBUG_PORT", "0")
         .env("LOG_LEVEL", "info")
         // The image's own default, which the mapped RUNTIME_* config must win over.
         .env("RLSD_CONFIG", "/etc/rlsd-not-here");
@@ -94,6 +96,19 @@ async fn istio_sample_environment_serves_its_config_from_its_redis_without_heade
         answers.push(Code::try_from(response.overall_code).expect("a code"));
     }
     assert_eq!(answers, [Code::Ok, Code::OverLimit]);
+    // The debug port serves /rlconfig, as envoyproxy/ratelimit's does, the same as the HTTP port.
+    let log = rlsd.log();
+    let debug = log
+        .split("debug=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next());
+    let debug: std::net::SocketAddr = debug.and_then(|a| a.parse().ok()).expect("a debug port");
+    let (status, limits) = common::http_get(debug, "/rlconfig").await;
+    assert_eq!(status, 200);
+    assert!(limits.contains("productpage-ratelimit"), "{limits}");
+    assert_eq!(common::http_get(rlsd.http, "/rlconfig").await.1, limits);
+    let (status, _) = common::http_post(debug, "/json", "{}").await;
+    assert_eq!(status, 404, "the debug port changes nothing");
     // The counter is in REDIS_URL's Redis.
     let keys = redis.cli(&["DBSIZE"]).expect("dbsize");
     assert_ne!(keys, "0", "no key in Redis");

@@ -373,6 +373,8 @@ async fn envoy_gateway_tracing_variables_export_over_http_from_the_redis_store()
         .env("PORT", "0")
         .env("GRPC_HOST", "127.0.0.1")
         .env("GRPC_PORT", "0")
+        .env("DEBUG_HOST", "127.0.0.1")
+        .env("DEBUG_PORT", "0")
         .env("REDIS_SOCKET_TYPE", "tcp")
         .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
         // What Envoy Gateway sets when its telemetry names a tracing provider.

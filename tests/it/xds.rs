@@ -490,6 +490,8 @@ async fn ratelimit_serves_with_envoy_gateways_environment_over_tls() {
         ("PORT", "0"),
         ("GRPC_HOST", "127.0.0.1"),
         ("GRPC_PORT", "0"),
+        ("DEBUG_HOST", "127.0.0.1"),
+        ("DEBUG_PORT", "0"),
         ("REDIS_AUTH", "rlsd:s3cret"),
         ("REDIS_TLS_CACERT", &ca_cert),
     ]);
