@@ -362,7 +362,7 @@ end
 -- The reset of a request that never passes: a fixed window's end, else one period (as in Rust).
 local function never_reset(c, now)
   if c.alg == 'fw' then
-    return round_up_ms(c.p - now % c.p)
+    return round_up_ms((idiv(now, c.p) + 1) * c.p - now)
   end
   return round_up_ms(c.p)
 end

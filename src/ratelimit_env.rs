@@ -355,17 +355,13 @@ fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<
         None => true,
     };
     let variable = "XDS_CLIENT_BACKOFF_RANDOM_FACTOR";
-    match get(variable) {
-        _ if !jitter => flags.flag("xds-retry-jitter", "0".into()),
-        Some(factor) => {
-            let fraction = factor
-                .parse::<f64>()
-                .ok()
-                .filter(|f| (0.0..=1.0).contains(f));
-            fraction.ok_or_else(|| invalid(variable, &factor, "a number from 0 to 1"))?;
-            flags.flag("xds-retry-jitter", factor);
-        }
-        None => {}
+    if let Some(factor) = get(variable) {
+        let fraction = factor.parse::<f64>().ok();
+        let fraction = fraction.filter(|f| (0.0..=1.0).contains(f));
+        fraction.ok_or_else(|| invalid(variable, &factor, "a number from 0 to 1"))?;
+        flags.flag("xds-retry-jitter", if jitter { factor } else { "0".into() });
+    } else if !jitter {
+        flags.flag("xds-retry-jitter", "0".into());
     }
     if boolean(
         "CONFIG_GRPC_XDS_SERVER_USE_TLS",

@@ -77,17 +77,21 @@ pub struct XdsTls {
 }
 
 /// The wait before the next stream after `losses` streams in a row that brought no response:
-/// the retry interval, doubled per further loss, capped, and spread by `draw` (0 to 1) over
-/// `wait * (1 ± jitter)`, so replicas that lost the same server do not redial in step.
+/// the retry interval (at least [`MIN_RETRY`]), doubled per further loss, spread by `draw`
+/// (from 0 to 1) over `wait * (1 ± jitter)` so that replicas that lost the same server do not
+/// redial in step, and never more than the ceiling.
 fn backoff(settings: &XdsSettings, losses: u32, draw: f64) -> Duration {
-    let doublings = losses.saturating_sub(1).min(32);
-    let base = settings
-        .retry_interval
-        .saturating_mul(1 << doublings.min(31));
-    let capped = base.min(settings.retry_max.max(settings.retry_interval));
+    let interval = settings.retry_interval.max(MIN_RETRY);
+    let ceiling = settings.retry_max.max(interval);
+    let doublings = losses.saturating_sub(1).min(31);
+    let base = interval.saturating_mul(1 << doublings).min(ceiling);
     let jitter = settings.retry_jitter.clamp(0.0, 1.0);
-    capped.mul_f64(1.0 + jitter * (2.0 * draw.clamp(0.0, 1.0) - 1.0))
+    let spread = base.mul_f64(1.0 + jitter * (2.0 * draw.clamp(0.0, 1.0) - 1.0));
+    spread.clamp(MIN_RETRY, ceiling)
 }
+
+/// The shortest wait between attempts, so that a zero interval cannot spin.
+const MIN_RETRY: Duration = Duration::from_millis(10);
 
 /// Why the client cannot be set up or a stream ended.
 #[derive(Debug, thiserror::Error)]
@@ -212,7 +216,7 @@ impl XdsClient {
     pub async fn run(self) {
         let mut acked = String::new();
         // Losses in a row; a stream that delivered a response starts the count again.
-        let mut losses = 0;
+        let mut losses: u32 = 0;
         let spread = foldhash::fast::RandomState::default();
         loop {
             let mut answered = false;
@@ -224,7 +228,11 @@ impl XdsClient {
                     tracing::warn!(server = %self.settings.server, %error, "xDS stream lost")
                 }
             }
-            losses = if answered { 0 } else { losses + 1 };
+            losses = if answered {
+                0
+            } else {
+                losses.saturating_add(1)
+            };
             let draw =
                 std::hash::BuildHasher::hash_one(&spread, (losses, std::time::SystemTime::now()));
             let wait = backoff(&self.settings, losses, draw as f64 / u64::MAX as f64);

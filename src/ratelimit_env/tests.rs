@@ -440,6 +440,9 @@ fn xds_variables_take_envoyproxy_ratelimits_defaults_and_go_durations() {
     ] {
         let error = read(&[backoff[0], bad]).expect_err("refused");
         assert!(error.to_string().contains(bad.0), "{error}");
+        // Checked even when the jitter is off.
+        let off = ("XDS_CLIENT_BACKOFF_JITTER", "false");
+        assert!(read(&[backoff[0], off, bad]).is_err(), "{bad:?}");
     }
 
     for (text, millis) in [

@@ -238,7 +238,7 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
 /// For each check, whether a denial of it with nothing left stays the same answer until its reset
 /// (see the module comment); never for a key the request checks twice (its answer depends on the
 /// other check), refunds, or limits whose denial is not a countdown (a zero limit, more hits than
-/// the capacity: their reset is always one period).
+/// the capacity: no time makes them pass).
 fn cacheable(checks: &[Check]) -> Vec<bool> {
     checks
         .iter()

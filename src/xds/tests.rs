@@ -221,4 +221,12 @@ fn jitter_spreads_each_wait_over_its_fraction() {
         backoff(&retry_settings(0.0), 3, 1.0),
         Duration::from_secs(12)
     );
+    // Near the ceiling the spread only shortens; a zero interval still waits.
+    assert_eq!(backoff(&settings, 7, 1.0), Duration::from_secs(60));
+    assert_eq!(backoff(&settings, 7, 0.0), Duration::from_secs(30));
+    let zero = XdsSettings {
+        retry_interval: Duration::ZERO,
+        ..retry_settings(0.0)
+    };
+    assert_eq!(backoff(&zero, 1, 0.0), MIN_RETRY);
 }
