@@ -617,7 +617,7 @@ fn octal_mode(text: &str) -> Result<u32, String> {
 }
 
 /// Parses a ratio from 0 to 1 (NaN or a negative ratio would count every hit as near the limit).
-fn ratio(text: &str) -> Result<f64, String> {
+pub(crate) fn ratio(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
         Ok(_) => Err("must be from 0 to 1".to_owned()),

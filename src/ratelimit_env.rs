@@ -330,35 +330,30 @@ fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<
             flags.flag(flag, pairs);
         }
     }
+    let mut duration_flag = |variable: &'static str, flag: &str| -> Result<(), EnvError> {
+        if let Some(text) = get(variable) {
+            let duration = go_duration(&text)
+                .ok_or_else(|| invalid(variable, &text, "a duration such as 3s or 500ms"))?;
+            flags.flag(flag, duration.as_millis().to_string());
+        }
+        Ok(())
+    };
     // Theirs retries a connect at one interval and backs off lost streams from another; ours
     // backs off from one: the backoff's when it is set.
-    let initial = [
-        "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
-        "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
-    ]
-    .into_iter()
-    .find(|variable| get(variable).is_some());
-    let maximum = Some("XDS_CLIENT_BACKOFF_MAX_INTERVAL");
-    for (variable, flag) in [
-        (initial, "xds-retry-interval-ms"),
-        (maximum, "xds-retry-max-ms"),
-    ] {
-        let Some((variable, interval)) = variable.and_then(|v| Some((v, get(v)?))) else {
-            continue;
-        };
-        let duration = go_duration(&interval)
-            .ok_or_else(|| invalid(variable, &interval, "a duration such as 3s or 500ms"))?;
-        flags.flag(flag, duration.as_millis().to_string());
-    }
+    let initial = match get("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL") {
+        Some(_) => "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
+        None => "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+    };
+    duration_flag(initial, "xds-retry-interval-ms")?;
+    duration_flag("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "xds-retry-max-ms")?;
     let jitter = match get("XDS_CLIENT_BACKOFF_JITTER") {
         Some(value) => boolean("XDS_CLIENT_BACKOFF_JITTER", Some(value))?,
         None => true,
     };
     let variable = "XDS_CLIENT_BACKOFF_RANDOM_FACTOR";
     if let Some(factor) = get(variable) {
-        let fraction = factor.parse::<f64>().ok();
-        let fraction = fraction.filter(|f| (0.0..=1.0).contains(f));
-        fraction.ok_or_else(|| invalid(variable, &factor, "a number from 0 to 1"))?;
+        crate::cli::ratio(&factor)
+            .map_err(|_| invalid(variable, &factor, "a number from 0 to 1"))?;
         flags.flag("xds-retry-jitter", if jitter { factor } else { "0".into() });
     } else if !jitter {
         flags.flag("xds-retry-jitter", "0".into());

@@ -243,10 +243,13 @@ pub async fn run_with<S: Store>(
         stopped(stop_rx.clone()),
         options.shutdown_grace,
     );
-    let metrics_only = listeners.metrics.map(|(listener, path)| {
-        let serve = axum::serve(listener, admin::metrics_router(&path, Arc::clone(&metrics)))
-            .with_graceful_shutdown(stopped(stop_rx.clone()));
+    // The extra HTTP ports stop with the admin port.
+    let spawn_http = |listener: TcpListener, router: axum::Router| {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));
         tokio::spawn(async move { serve.await })
+    };
+    let metrics_only = listeners.metrics.map(|(listener, path)| {
+        spawn_http(listener, admin::metrics_router(&path, Arc::clone(&metrics)))
     });
     let admin_state = AdminState {
         config,
@@ -254,11 +257,9 @@ pub async fn run_with<S: Store>(
         health,
         limiter,
     };
-    let debug = listeners.debug.map(|listener| {
-        let serve = axum::serve(listener, admin::debug_router(admin_state.clone()))
-            .with_graceful_shutdown(stopped(stop_rx.clone()));
-        tokio::spawn(async move { serve.await })
-    });
+    let debug = listeners
+        .debug
+        .map(|listener| spawn_http(listener, admin::debug_router(admin_state.clone())));
     let admin = axum::serve(listeners.http, admin::router(admin_state))
         .with_graceful_shutdown(stopped(stop_rx));
     let ((), admin) = tokio::join!(grpc, admin);

@@ -97,12 +97,7 @@ async fn istio_sample_environment_serves_its_config_from_its_redis_without_heade
     }
     assert_eq!(answers, [Code::Ok, Code::OverLimit]);
     // The debug port serves /rlconfig, as envoyproxy/ratelimit's does, the same as the HTTP port.
-    let log = rlsd.log();
-    let debug = log
-        .split("debug=\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next());
-    let debug: std::net::SocketAddr = debug.and_then(|a| a.parse().ok()).expect("a debug port");
+    let debug = rlsd.serving("debug").expect("a debug port");
     let (status, limits) = common::http_get(debug, "/rlconfig").await;
     assert_eq!(status, 200);
     assert!(limits.contains("productpage-ratelimit"), "{limits}");

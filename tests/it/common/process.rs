@@ -84,6 +84,13 @@ impl Rlsd {
         }
     }
 
+    /// An address the "serving" line names besides gRPC and HTTP (`debug`, say).
+    pub fn serving(&self, name: &str) -> Option<SocketAddr> {
+        let log = self.log();
+        let line = log.lines().find(|line| line.contains("serving"))?;
+        field(line, name)
+    }
+
     /// Everything rlsd has written to stderr so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.log.path()).expect("the log file")
@@ -161,7 +168,8 @@ fn field(line: &str, name: &str) -> Option<SocketAddr> {
         .find(&text)
         .map(|at| at + text.len())
         .or_else(|| line.find(&json).map(|at| at + json.len()))?;
-    let rest = &line[start..];
+    // Optional fields are logged as quoted strings (`debug="127.0.0.1:6070"`).
+    let rest = line[start..].trim_start_matches('"');
     let end = rest
         .find(|c: char| c.is_whitespace() || c == '"')
         .unwrap_or(rest.len());
