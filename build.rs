@@ -9,6 +9,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         config
     };
     println!("cargo:rerun-if-changed=proto");
+    // The deploy checks ask cargo for packages of this platform only: resolving every platform
+    // needs manifests a build never downloads, so a fresh cargo home would fail them.
+    println!(
+        "cargo:rustc-env=RLSD_BUILD_TARGET={}",
+        std::env::var("TARGET")?
+    );
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         // For gRPC reflection (grpcurl and friends); prost includes the imported files.

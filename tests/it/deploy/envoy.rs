@@ -41,13 +41,16 @@ const PROTOS: [&str; 5] = [
     "envoy/extensions/upstreams/http/v3/http_protocol_options.proto",
 ];
 
-/// Where envoy-types keeps the protos its types were generated from, as cargo resolved it.
+/// Where envoy-types keeps the protos its types were generated from, as cargo resolved it for
+/// the platform this was built for (other platforms' crates were never downloaded).
 fn envoy_types_protos() -> PathBuf {
     let output = Command::new(env!("CARGO"))
         .args([
             "metadata",
             "--format-version=1",
             "--offline",
+            "--filter-platform",
+            env!("RLSD_BUILD_TARGET"),
             "--manifest-path",
         ])
         .arg(format!("{ROOT}/Cargo.toml"))
