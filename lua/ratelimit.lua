@@ -9,13 +9,16 @@
 -- ARGV[2]   number of distinct limits M in this call, then 5 values per limit: algorithm
 --           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, mode (0 enforced, 1 shadow,
 --           2 quota: the request is denied by its quota checks only when none of them allows)
--- then      number of requests R, then per request: its number of checks n, then 2 values per
+-- then      number of requests R, then per request: its number of checks n, its deadline (µs on
+--           the script's clock, "" for none: a request the script reaches after it is answered
+--           as late and writes nothing, since its caller has stopped waiting), then 2 values per
 --           check: the index of its limit (1..M) and its hits: "<n>" takes n, "p" peeks (decided
 --           as one hit, nothing taken), "r<n>" refunds n
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
--- Reply: one string of decimal integers separated by spaces, three per check (allowed 0/1,
--- remaining, reset µs), request after request: one bulk string parses far faster on the
+-- Reply: one string of decimal integers separated by spaces: the script's clock (µs), then three
+-- per check (allowed 0/1, or 2 for every check of a late request; remaining; reset µs), request
+-- after request: one bulk string parses far faster on the
 -- client than an array of 3 integers per check. A request writes
 -- state only if every non-shadow check allows; when it is denied, its allowed checks report the
 -- remaining they still have (nothing was taken). A string key is written once per call, with
@@ -477,7 +480,7 @@ do
   for r = 1, request_count do
     local count = ARGV[arg] + 0
     count_of[r] = count
-    arg = arg + 1
+    arg = arg + 2
     for _ = 1, count do
       local c = limit_named[ARGV[arg]]
       local key = KEYS[g]
@@ -517,88 +520,98 @@ local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, 
 -- global limit) costs one SET instead of one per request. The last state and its TTL are what
 -- writing after every request would have left.
 local final_slots, finals, final_limit, final_state, final_ttl = {}, 0, {}, {}, {}
-local reply, replies = {}, 0
+local reply, replies = { string.format('%d', now) }, 1
 local next_check, next_arg = 1, first_request_arg + 1
 for r = 1, request_count do
   local count = count_of[r]
-  next_arg = next_arg + 1
+  local deadline = ARGV[next_arg + 1]
+  next_arg = next_arg + 2
   local first_check = next_check
   local allowed_all, quotas, quota_passed = true, false, false
-  for i = 1, count do
-    local c, s = limit_of[next_check], slot_of_check[next_check]
-    local hits = ARGV[next_arg + 1]
-    next_check, next_arg = next_check + 1, next_arg + 2
-    local mode, n = 't', 1
-    if hits == '1' then -- the usual case, without a conversion
-    elseif hits == 'p' then
-      mode = 'p'
-    elseif string.byte(hits) == 114 then -- 'r'
-      mode, n = 'r', string.sub(hits, 2) + 0
-    else
-      n = hits + 0
+  if deadline ~= '' and now > deadline + 0 then
+    -- Late: its caller has answered without it, so it reads and writes nothing.
+    next_check, next_arg = next_check + count, next_arg + 2 * count
+    for _ = 1, count do
+      replies = replies + 1
+      reply[replies] = '2 0 0'
     end
-    local st
-    if pending_in[s] == r then
-      st = pending_at[s]
-    else
-      st = loaded_at[s]
-      if st == nil and c.l ~= 0 then
-        if c.alg == 'swl' then
-          st = load_log(key_at[s], now, c.p)
-        else
-          st = parse(c.alg, raw_at[s])
+  else
+    for i = 1, count do
+      local c, s = limit_of[next_check], slot_of_check[next_check]
+      local hits = ARGV[next_arg + 1]
+      next_check, next_arg = next_check + 1, next_arg + 2
+      local mode, n = 't', 1
+      if hits == '1' then -- the usual case, without a conversion
+      elseif hits == 'p' then
+        mode = 'p'
+      elseif string.byte(hits) == 114 then -- 'r'
+        mode, n = 'r', string.sub(hits, 2) + 0
+      else
+        n = hits + 0
+      end
+      local st
+      if pending_in[s] == r then
+        st = pending_at[s]
+      else
+        st = loaded_at[s]
+        if st == nil and c.l ~= 0 then
+          if c.alg == 'swl' then
+            st = load_log(key_at[s], now, c.p)
+          else
+            st = parse(c.alg, raw_at[s])
+          end
+          loaded_at[s] = st
         end
-        loaded_at[s] = st
+      end
+      local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+      allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
+      state_of[i], ttl_of[i] = new, ttl
+      if new then
+        pending_at[s], pending_in[s] = new, r
+      end
+      if c.quota then
+        quotas = true
+        if allowed then
+          quota_passed = true
+        end
+      elseif not allowed and not c.shadow then
+        allowed_all = false
       end
     end
-    local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
-    allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
-    state_of[i], ttl_of[i] = new, ttl
-    if new then
-      pending_at[s], pending_in[s] = new, r
-    end
-    if c.quota then
-      quotas = true
-      if allowed then
-        quota_passed = true
-      end
-    elseif not allowed and not c.shadow then
+    if quotas and not quota_passed then
       allowed_all = false
     end
-  end
-  if quotas and not quota_passed then
-    allowed_all = false
-  end
 
-  -- Write each key once, with its final state (a key checked twice carries both checks' hits).
-  if allowed_all then
-    for i = count, 1, -1 do
-      local new, s = state_of[i], slot_of_check[first_check + i - 1]
-      if new and written_in[s] ~= r then
-        written_in[s] = r
-        local c = limit_of[first_check + i - 1]
-        if c.alg == 'swl' then
-          store(c, key_at[s], new, ttl_of[i], now)
-          loaded_at[s] = nil
-        else
-          loaded_at[s] = new
-          if not final_state[s] then
-            finals = finals + 1
-            final_slots[finals] = s
+    -- Write each key once, with its final state (a key checked twice carries both checks' hits).
+    if allowed_all then
+      for i = count, 1, -1 do
+        local new, s = state_of[i], slot_of_check[first_check + i - 1]
+        if new and written_in[s] ~= r then
+          written_in[s] = r
+          local c = limit_of[first_check + i - 1]
+          if c.alg == 'swl' then
+            store(c, key_at[s], new, ttl_of[i], now)
+            loaded_at[s] = nil
+          else
+            loaded_at[s] = new
+            if not final_state[s] then
+              finals = finals + 1
+              final_slots[finals] = s
+            end
+            final_limit[s], final_state[s], final_ttl[s] = c, new, ttl_of[i]
           end
-          final_limit[s], final_state[s], final_ttl[s] = c, new, ttl_of[i]
         end
       end
     end
-  end
-  for i = 1, count do
-    local remaining = remaining_of[i]
-    if not allowed_all and allowed_of[i] then
-      remaining = unconsumed_of[i]
+    for i = 1, count do
+      local remaining = remaining_of[i]
+      if not allowed_all and allowed_of[i] then
+        remaining = unconsumed_of[i]
+      end
+      replies = replies + 1
+      -- The verdict is in the format, so only two numbers are converted.
+      reply[replies] = string.format(allowed_of[i] and '1 %d %d' or '0 %d %d', remaining, reset_of[i])
     end
-    replies = replies + 1
-    -- The verdict is in the format, so only two numbers are converted.
-    reply[replies] = string.format(allowed_of[i] and '1 %d %d' or '0 %d %d', remaining, reset_of[i])
   end
 end
 for f = 1, finals do

@@ -264,9 +264,14 @@ pub struct ServeArgs {
     /// Longest wait for a Redis connection, in milliseconds.
     #[arg(long, env = "RLSD_REDIS_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
     pub redis_connect_timeout_ms: u64,
-    /// Longest wait for one Redis call, in milliseconds (Envoy waits 20 ms for the whole call).
-    #[arg(long, env = "RLSD_REDIS_COMMAND_TIMEOUT_MS", default_value_t = 5)]
+    /// Longest wait for Redis, in milliseconds, for a call whose caller sent no `grpc-timeout`
+    /// (a caller that sends one gets its own, less a margin to answer). Past it the call gets
+    /// the failure-mode answer and nothing of it is counted.
+    #[arg(long, env = "RLSD_REDIS_COMMAND_TIMEOUT_MS", default_value_t = 20)]
     pub redis_command_timeout_ms: u64,
+    /// Longest wait for Redis, in milliseconds, whatever `grpc-timeout` a caller sent.
+    #[arg(long, env = "RLSD_REDIS_TIMEOUT_CAP_MS", default_value_t = 1000)]
+    pub redis_timeout_cap_ms: u64,
     /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
     #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = crate::store::redis::DEFAULT_MAX_BATCH)]
     pub redis_max_batch: usize,
@@ -453,10 +458,12 @@ impl ServeArgs {
         };
         let connect_timeout = Duration::from_millis(self.redis_connect_timeout_ms);
         let command_timeout = Duration::from_millis(self.redis_command_timeout_ms);
+        let timeout_cap = Duration::from_millis(self.redis_timeout_cap_ms).max(command_timeout);
         if self.redis_mode == RedisMode::Cluster {
             let mut cluster = ClusterSettings::new(urls());
             cluster.connect_timeout = connect_timeout;
             cluster.command_timeout = command_timeout;
+            cluster.timeout_cap = timeout_cap;
             cluster.ca_file.clone_from(&self.redis_ca);
             cluster.client_identity = identity;
             return Ok(StoreSettings::Cluster(cluster));
@@ -464,6 +471,7 @@ impl ServeArgs {
         let mut redis = RedisSettings::new(url.clone());
         redis.connect_timeout = connect_timeout;
         redis.command_timeout = command_timeout;
+        redis.timeout_cap = timeout_cap;
         redis.max_batch = self.redis_max_batch.max(1);
         redis.pipelines = self.redis_pipelines.max(1);
         redis.ca_file.clone_from(&self.redis_ca);

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use opentelemetry::trace::TraceContextExt as _;
@@ -201,14 +201,16 @@ impl<S: Store> RateLimiter<S> {
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
-        self.decide_in(request, None).await
+        self.decide_in(request, None, None).await
     }
 
-    /// [`RateLimiter::decide`], tracing the store call as a child of `trace` when given.
+    /// [`RateLimiter::decide`] with the store given until `deadline` (`None`: the store's own
+    /// timeout), tracing the store call as a child of `trace` when given.
     async fn decide_in(
         &self,
         request: pb::RateLimitRequest,
         trace: Option<&opentelemetry::Context>,
+        deadline: Option<Instant>,
     ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
             .inspect_err(|_| self.metrics.invalid_requests.inc())?;
@@ -227,7 +229,7 @@ impl<S: Store> RateLimiter<S> {
             tracer.store_span(parent, self.store.name(), plan.checks.len())
         });
         let started = Instant::now();
-        let decided = self.store.decide(&plan.checks).await;
+        let decided = self.store.decide_by(&plan.checks, deadline).await;
         self.store_duration.observe(started.elapsed().as_secs_f64());
         if let Some(store_trace) = store_trace {
             let span = store_trace.span();
@@ -357,11 +359,14 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         request: Request<pb::RateLimitRequest>,
     ) -> Result<Response<pb::RateLimitResponse>, Status> {
         let started = Instant::now();
+        let deadline = store_deadline(started, request.metadata());
         let answer = match &self.tracer {
-            None => self.decide(request.into_inner()).await,
+            None => self.decide_in(request.into_inner(), None, deadline).await,
             Some(tracer) => {
                 let trace = tracer.request_span(request.metadata(), &request.get_ref().domain);
-                let answer = self.decide_in(request.into_inner(), Some(&trace)).await;
+                let answer = self
+                    .decide_in(request.into_inner(), Some(&trace), deadline)
+                    .await;
                 end_request_span(&trace, &answer);
                 answer
             }
@@ -369,6 +374,33 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         self.metrics.observe_request(started.elapsed());
         answer.map(Response::new)
     }
+}
+
+/// When the store must have answered a call that started at `started`: the caller's
+/// `grpc-timeout` less a margin to send the answer back (a tenth, at least 1 ms). `None` when the
+/// caller sent none (or one that does not parse), so the store's own timeout applies.
+fn store_deadline(started: Instant, metadata: &tonic::metadata::MetadataMap) -> Option<Instant> {
+    let timeout = grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)?;
+    let margin = (timeout / 10).max(Duration::from_millis(1));
+    Some(started + timeout.saturating_sub(margin))
+}
+
+/// A `grpc-timeout` value: at most 8 digits and a unit (H, M, S, m, u, n), per the gRPC spec.
+fn grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at_checked(value.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// Ends a call's span with its verdict, or the error it answered.
@@ -738,4 +770,40 @@ fn rate_limit_headers(
         ));
     }
     headers
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_as_the_spec_writes_them() {
+        assert_eq!(grpc_timeout("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(grpc_timeout("1S"), Some(Duration::from_secs(1)));
+        assert_eq!(grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(
+            grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        for bad in ["", "m", "20", "123456789m", "-1m", "1.5S", "20x", "２m"] {
+            assert_eq!(grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_store_gets_the_callers_budget_less_a_margin_to_answer() {
+        let started = Instant::now();
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        assert_eq!(store_deadline(started, &metadata), None);
+        metadata.insert("grpc-timeout", "20m".parse().expect("ascii"));
+        assert_eq!(
+            store_deadline(started, &metadata),
+            Some(started + Duration::from_millis(18))
+        );
+        metadata.insert("grpc-timeout", "5m".parse().expect("ascii"));
+        assert_eq!(
+            store_deadline(started, &metadata),
+            Some(started + Duration::from_millis(4))
+        );
+    }
 }

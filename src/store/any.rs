@@ -2,7 +2,7 @@
 //! so the service and server are compiled once whatever the store.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{
     Check, ClusterSettings, ClusterStore, MemoryStore, Outcome, OverLimitCache, RedisSettings,
@@ -111,11 +111,15 @@ impl Store for AnyStore {
         }
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
         match self {
-            AnyStore::Memory(store) => store.decide(checks).await,
-            AnyStore::Redis(store) => store.decide(checks).await,
-            AnyStore::Cluster(store) => store.decide(checks).await,
+            AnyStore::Memory(store) => store.decide_by(checks, deadline).await,
+            AnyStore::Redis(store) => store.decide_by(checks, deadline).await,
+            AnyStore::Cluster(store) => store.decide_by(checks, deadline).await,
         }
     }
 }

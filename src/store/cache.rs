@@ -190,9 +190,13 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
             .inc_by(hits.saturating_sub(before));
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
         if self.capacity == 0 {
-            return self.inner.decide(checks).await;
+            return self.inner.decide_by(checks, deadline).await;
         }
         let now = self.clock.now_us();
         let cacheable = cacheable(checks);
@@ -210,7 +214,7 @@ impl<S: Store, C: Clock> Store for OverLimitCache<S, C> {
             }
         }
         let refunds_before = self.refunds.load(Ordering::Acquire);
-        let outcomes = self.inner.decide(checks).await?;
+        let outcomes = self.inner.decide_by(checks, deadline).await?;
         if checks
             .iter()
             .any(|check| matches!(check.hits, Hits::Refund(_)))

@@ -22,9 +22,12 @@
 //! usually span several slots, hence the grouping.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
@@ -36,8 +39,12 @@ use crate::algorithm::{Hits, Params};
 use crate::clock::Clock;
 use crate::limit::Algorithm;
 
-use super::redis::{ClientIdentity, SCRIPT, ScriptCall, split_reply, tls_certificates};
-use super::{Check, Outcome, Store, StoreError, request_allowed};
+use super::deadline::{Budget, RedisClock};
+use super::redis::{
+    ClientIdentity, DEFAULT_COMMAND_TIMEOUT, DEFAULT_TIMEOUT_CAP, ScriptCall, split_reply,
+    time_command, tls_certificates,
+};
+use super::{Check, Outcome, Store, StoreError, refunds, request_allowed};
 
 /// How to reach a Redis Cluster.
 #[derive(Clone)]
@@ -46,8 +53,10 @@ pub struct ClusterSettings {
     pub nodes: Vec<String>,
     /// Longest wait for a connection.
     pub connect_timeout: Duration,
-    /// Longest wait for one slot group's EVALSHA.
+    /// Longest wait for a request whose caller sent no deadline.
     pub command_timeout: Duration,
+    /// Longest wait for any request, whatever deadline its caller sent.
+    pub timeout_cap: Duration,
     /// Tests only: a clock whose reading is passed to the script instead of Redis `TIME`.
     pub fixed_clock: Option<Arc<dyn Clock>>,
     /// A PEM file of CA certificates to trust for `rediss://` nodes instead of the built-in
@@ -63,7 +72,8 @@ impl ClusterSettings {
         ClusterSettings {
             nodes,
             connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_millis(5),
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            timeout_cap: DEFAULT_TIMEOUT_CAP,
             fixed_clock: None,
             ca_file: None,
             client_identity: None,
@@ -79,10 +89,12 @@ pub struct ClusterStore {
     connection: Arc<ArcSwap<ClusterConnection>>,
     /// Whether a rebuild is under way, so failures trigger one at a time.
     rebuilding: Arc<AtomicBool>,
-    script: redis::Script,
     command_timeout: Duration,
+    timeout_cap: Duration,
     connect_timeout: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
+    /// Each slot's node's clock, as its replies teach it.
+    clock: RedisClock,
 }
 
 impl ClusterStore {
@@ -93,7 +105,7 @@ impl ClusterStore {
     pub async fn connect(settings: ClusterSettings) -> Result<ClusterStore, StoreError> {
         let mut builder = ClusterClient::builder(settings.nodes.clone())
             .connection_timeout(settings.connect_timeout)
-            .response_timeout(settings.command_timeout)
+            .response_timeout(settings.timeout_cap)
             .retries(2);
         if let Some(certificates) = tls_certificates(
             settings.ca_file.as_deref(),
@@ -118,8 +130,9 @@ impl ClusterStore {
             client,
             connection: Arc::new(ArcSwap::from_pointee(connection)),
             rebuilding: Arc::new(AtomicBool::new(false)),
-            script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
+            timeout_cap: settings.timeout_cap,
+            clock: RedisClock::new(settings.fixed_clock.clone()),
             connect_timeout: settings.connect_timeout,
             fixed_clock: settings.fixed_clock,
         })
@@ -152,26 +165,124 @@ impl ClusterStore {
     }
 
     /// One slot group as one request of the script.
-    async fn call(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        let requests = [checks];
-        let script_call = ScriptCall::new(&self.script, self.fixed_clock.as_deref(), &requests);
+    async fn call(&self, checks: &[Check], budget: Budget) -> Result<Vec<Outcome>, StoreError> {
+        self.call_by(checks, budget, true).await
+    }
+
+    /// [`ClusterStore::call`], the script bound by the budget's script deadline when `bounded`;
+    /// a refund is not: it must land however late, or the hits it gives back stay counted.
+    async fn call_by(
+        &self,
+        checks: &[Check],
+        budget: Budget,
+        bounded: bool,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let first = checks.first().map(|check| check.key.as_str());
+        let source = first.map_or(0, |key| {
+            BuildHasherDefault::<DefaultHasher>::default().hash_one(Slot::for_key(key))
+        });
+        let deadline = if bounded {
+            if self.clock.redis_us(source, budget.deadline).is_none() {
+                self.sync_clock(source, first, budget.deadline).await?;
+            }
+            if budget.script_deadline <= Instant::now() {
+                return Err(budget.exceeded());
+            }
+            let at = self.clock.redis_us(source, budget.script_deadline);
+            Some(at.ok_or_else(|| budget.exceeded())?)
+        } else {
+            None
+        };
+        let requests = [(checks, deadline)];
+        let script_call = ScriptCall::new(self.fixed_clock.as_deref(), &requests);
         let mut connection = ClusterConnection::clone(&self.connection.load());
-        // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let call = script_call.run(&mut connection);
-        let reply: Vec<u8> = match tokio::time::timeout(self.command_timeout, call).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(error)) => {
+        // Owns what it needs, so it can finish after the caller stopped waiting. Never retried
+        // after a timeout: the script may have run, and a retry could count twice.
+        let mut call = Box::pin(async move { script_call.run(&mut connection).await });
+        let reply = tokio::select! {
+            biased;
+            reply = &mut call => reply,
+            () = tokio::time::sleep_until(budget.deadline.into()) => {
+                self.rebuild_connection();
+                if bounded {
+                    self.give_back_if_committed(call, checks.to_vec());
+                }
+                return Err(budget.exceeded());
+            }
+        };
+        let reply: Vec<u8> = match reply {
+            Ok(reply) => reply,
+            Err(error) => {
                 self.rebuild_connection();
                 return Err(StoreError::Unavailable(error.to_string()));
             }
-            Err(_) => {
-                self.rebuild_connection();
-                return Err(StoreError::Timeout(self.command_timeout));
-            }
         };
-        split_reply(&reply, &requests)?
-            .pop()
-            .ok_or_else(|| StoreError::Protocol("no answer for the slot group".to_owned()))
+        let reply = split_reply(&reply, &[checks.len()])?;
+        self.clock.observe(source, reply.now_us, Instant::now());
+        match reply.answers.into_iter().next() {
+            Some(Some(outcomes)) => Ok(outcomes),
+            Some(None) => Err(budget.exceeded()),
+            None => Err(StoreError::Protocol(
+                "no answer for the slot group".to_owned(),
+            )),
+        }
+    }
+
+    /// Awaits, in the background, a call whose caller stopped waiting; if its reply shows the
+    /// group committed, gives its hits back, so the unused answer leaves no trace.
+    fn give_back_if_committed(
+        &self,
+        call: Pin<Box<dyn Future<Output = redis::RedisResult<Vec<u8>>> + Send>>,
+        checks: Vec<Check>,
+    ) {
+        let connection = ClusterConnection::clone(&self.connection.load());
+        let fixed_clock = self.fixed_clock.clone();
+        let cap = self.timeout_cap;
+        tokio::spawn(async move {
+            let Ok(Ok(reply)) = tokio::time::timeout(cap, call).await else {
+                return;
+            };
+            let Ok(reply) = split_reply(&reply, &[checks.len()]) else {
+                return;
+            };
+            let Some(Some(outcomes)) = reply.answers.into_iter().next() else {
+                return;
+            };
+            if !request_allowed(&checks, &outcomes) {
+                return;
+            }
+            let back = refunds(&checks, &outcomes);
+            let call = ScriptCall::new(fixed_clock.as_deref(), &[(&back, None)]);
+            let mut connection = connection;
+            match tokio::time::timeout(cap, call.run(&mut connection)).await {
+                Ok(Ok(_)) => {
+                    tracing::debug!("redis cluster: gave back the hits of an unused answer")
+                }
+                _ => tracing::warn!(
+                    "redis cluster: giving back the hits of an unused answer failed; they stay counted"
+                ),
+            }
+        });
+    }
+
+    /// Reads the clock of the node holding `key`, by `deadline`.
+    async fn sync_clock(
+        &self,
+        source: u64,
+        key: Option<&str>,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let mut connection = ClusterConnection::clone(&self.connection.load());
+        let command = time_command(key);
+        let now =
+            tokio::time::timeout_at(deadline.into(), command.query_async::<u64>(&mut connection))
+                .await
+                .map_err(|_| {
+                    StoreError::Timeout(deadline.saturating_duration_since(Instant::now()))
+                })?
+                .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        self.clock.observe(source, now, Instant::now());
+        Ok(())
     }
 }
 
@@ -188,22 +299,6 @@ fn group_by_slot(checks: &[Check]) -> Vec<Vec<(usize, Check)>> {
         groups[group].push((index, check.clone()));
     }
     groups
-}
-
-/// The checks that give back what a committed group took: its allowed takes (a shadow check
-/// that said no took nothing).
-fn refunds(group: &[Check], outcomes: &[Outcome]) -> Vec<Check> {
-    group
-        .iter()
-        .zip(outcomes)
-        .filter_map(|(check, outcome)| match check.hits {
-            Hits::Take(n) if outcome.verdict.allowed => Some(Check {
-                hits: Hits::Refund(n),
-                ..check.clone()
-            }),
-            _ => None,
-        })
-        .collect()
 }
 
 /// A check that always denies and touches nothing (L = 0), on a key the group already read:
@@ -226,13 +321,17 @@ fn dry_run_guard(group: &[Check]) -> Option<Check> {
 impl ClusterStore {
     /// Evaluates every group without committing anything: exact answers for a request that
     /// turns out denied.
-    async fn dry_run(&self, groups: &[Vec<Check>]) -> Vec<Result<Vec<Outcome>, StoreError>> {
+    async fn dry_run(
+        &self,
+        groups: &[Vec<Check>],
+        budget: Budget,
+    ) -> Vec<Result<Vec<Outcome>, StoreError>> {
         let guarded: Vec<Vec<Check>> = groups
             .iter()
             .map(|group| group.iter().cloned().chain(dry_run_guard(group)).collect())
             .collect();
         join_all(guarded.iter().map(|group| async move {
-            let mut outcomes = self.call(group).await?;
+            let mut outcomes = self.call(group, budget).await?;
             outcomes.pop();
             Ok(outcomes)
         }))
@@ -255,7 +354,17 @@ impl Store for ClusterStore {
         )
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let budget = Budget::new(
+            Instant::now(),
+            deadline,
+            self.command_timeout,
+            self.timeout_cap,
+        );
         let groups = group_by_slot(checks);
         // Quota checks in several groups are decided together, here: each group takes them as
         // shadow checks.
@@ -292,7 +401,7 @@ impl Store for ClusterStore {
                     .iter()
                     .any(|check| matches!(check.hits, Hits::Refund(_))));
         if dry_run_first {
-            let dry = self.dry_run(&group_checks).await;
+            let dry = self.dry_run(&group_checks, budget).await;
             let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
             for (members, answer) in groups.iter().zip(dry) {
                 for ((index, _), outcome) in members.iter().zip(answer?) {
@@ -307,7 +416,7 @@ impl Store for ClusterStore {
                 return Ok(outcomes);
             }
         }
-        let answers = join_all(group_checks.iter().map(|group| self.call(group))).await;
+        let answers = join_all(group_checks.iter().map(|group| self.call(group, budget))).await;
 
         let mut outcomes: Vec<Option<Outcome>> = vec![None; checks.len()];
         let mut failure = None;
@@ -341,7 +450,15 @@ impl Store for ClusterStore {
                 .map(|(group, answer)| refunds(&group_checks[*group], answer))
                 .filter(|refund| !refund.is_empty())
                 .collect();
-            let results = join_all(refunds.iter().map(|refund| self.call(refund))).await;
+            // A refund waits its own command timeout: it must land even past the caller's.
+            let refund_budget =
+                Budget::new(Instant::now(), None, self.command_timeout, self.timeout_cap);
+            let results = join_all(
+                refunds
+                    .iter()
+                    .map(|refund| self.call_by(refund, refund_budget, false)),
+            )
+            .await;
             for result in results {
                 if let Err(error) = result {
                     tracing::warn!(%error, "redis cluster: refund of a denied request failed; its hits stay counted");

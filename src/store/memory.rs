@@ -342,7 +342,12 @@ impl<C: Clock> Store for MemoryStore<C> {
             .set(as_gauge(stats.full_rejections));
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        _deadline: Option<std::time::Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        // Decided at once, in process: no wait for a deadline to bound.
         self.decide_now(checks)
     }
 }

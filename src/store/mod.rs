@@ -3,10 +3,12 @@
 pub mod any;
 pub mod cache;
 pub mod cluster;
+pub mod deadline;
 pub mod memory;
 pub mod redis;
 
 use std::future::Future;
+use std::time::Instant;
 
 use crate::algorithm::{Hits, Params, Verdict};
 
@@ -96,11 +98,38 @@ pub trait Store: Send + Sync + 'static {
 
     /// Decides `checks` together: each check is evaluated in order (a key that appears twice
     /// sees the first one's hits), and state changes only if every non-shadow check allows.
-    /// Returns one outcome per check, in order.
+    /// Returns one outcome per check, in order. Waits as long as the store's own timeout.
     fn decide(
         &self,
         checks: &[Check],
+    ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send {
+        self.decide_by(checks, None)
+    }
+
+    /// [`Store::decide`] for a caller that stops waiting at `deadline` (`None`: the store's own
+    /// timeout). A store that cannot answer in time answers [`StoreError::Timeout`], and then
+    /// nothing of the call is counted.
+    fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
+}
+
+/// The checks that give back what a committed request took: its allowed takes (a shadow check
+/// that said no took nothing).
+pub fn refunds(checks: &[Check], outcomes: &[Outcome]) -> Vec<Check> {
+    checks
+        .iter()
+        .zip(outcomes)
+        .filter_map(|(check, outcome)| match check.hits {
+            Hits::Take(n) if outcome.verdict.allowed => Some(Check {
+                hits: Hits::Refund(n),
+                ..check.clone()
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Whether a request whose checks produced `outcomes` is allowed: every enforced check passed,

@@ -7,8 +7,8 @@
 //! still decided atomically, all or nothing), so a busy server makes fewer, larger calls and an
 //! idle one sends a lone request at once.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::{Arc, LazyLock, OnceLock};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 use redis::AsyncConnectionConfig;
@@ -22,10 +22,24 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use crate::algorithm::{Hits, Params, Verdict};
 use crate::clock::Clock;
 
-use super::{Check, Outcome, Store, StoreError};
+use super::deadline::{Budget, RedisClock};
+use super::{Check, Outcome, Store, StoreError, refunds, request_allowed};
 
 /// The entry script, embedded so the binary is all one needs.
 pub const SCRIPT: &str = include_str!("../../lua/ratelimit.lua");
+
+/// The script, hashed once.
+static LOADED: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SCRIPT));
+
+/// Reads Redis's clock in µs; with a key, on the node that holds it.
+const TIME_SCRIPT: &str = "local t = redis.call('TIME') return t[1] * 1000000 + t[2]";
+
+/// Default bound on a call whose caller sent no deadline (`grpc-timeout`): Envoy's own default
+/// timeout, so a caller that says nothing is treated as Envoy's default would be.
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(20);
+
+/// Default bound on any call, whatever deadline its caller sent.
+pub const DEFAULT_TIMEOUT_CAP: Duration = Duration::from_secs(1);
 
 /// How to reach Redis.
 #[derive(Clone)]
@@ -34,8 +48,11 @@ pub struct RedisSettings {
     pub url: String,
     /// Longest wait for a TCP/TLS connection.
     pub connect_timeout: Duration,
-    /// Longest wait for one EVALSHA; past it the request gets the failure-mode answer.
+    /// Longest wait for a request whose caller sent no deadline; past it the request gets the
+    /// failure-mode answer and nothing of it is counted.
     pub command_timeout: Duration,
+    /// Longest wait for any request, whatever deadline its caller sent.
+    pub timeout_cap: Duration,
     /// Tests only: a clock whose reading is passed to the script instead of Redis `TIME`.
     pub fixed_clock: Option<Arc<dyn Clock>>,
     /// Most requests coalesced into one EVALSHA; 1 sends every request on its own.
@@ -65,12 +82,13 @@ pub struct SentinelTarget {
 }
 
 impl RedisSettings {
-    /// Settings for `url` with the default timeouts (connect 1 s, command 5 ms).
+    /// Settings for `url` with the default timeouts (connect 1 s, command 20 ms, cap 1 s).
     pub fn new(url: impl Into<String>) -> RedisSettings {
         RedisSettings {
             url: url.into(),
             connect_timeout: Duration::from_secs(1),
-            command_timeout: Duration::from_millis(5),
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            timeout_cap: DEFAULT_TIMEOUT_CAP,
             fixed_clock: None,
             max_batch: DEFAULT_MAX_BATCH,
             pipelines: DEFAULT_PIPELINES,
@@ -192,6 +210,8 @@ pub struct RedisStore {
     /// other threads for every request.
     lanes: Box<[OnceLock<Lane>]>,
     settings: RedisSettings,
+    /// Redis's clock as every lane learns it.
+    clock: Arc<RedisClock>,
 }
 
 /// A connection to Redis and the batchers that coalesce onto it.
@@ -204,16 +224,18 @@ struct Lane {
 /// The connection and the script: what actually talks to Redis.
 struct RedisCaller {
     link: Link,
-    script: redis::Script,
     command_timeout: Duration,
+    timeout_cap: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
+    clock: Arc<RedisClock>,
 }
 
 /// A multiplexed connection to `settings.url`, opened on first use and reopened after failures.
 fn direct_connection(settings: &RedisSettings) -> Result<ConnectionManager, StoreError> {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(settings.connect_timeout))
-        .set_response_timeout(Some(settings.command_timeout))
+        // Each call has its own deadline; this only bounds the longest.
+        .set_response_timeout(Some(settings.timeout_cap))
         // Reconnect quickly after an outage; every failed call also reconnects.
         .set_min_delay(Duration::from_millis(10))
         .set_max_delay(Duration::from_millis(500))
@@ -224,12 +246,13 @@ fn direct_connection(settings: &RedisSettings) -> Result<ConnectionManager, Stor
 
 impl Lane {
     /// A lane on `link`; its batchers run on the runtime this is called on.
-    fn open(link: Link, settings: &RedisSettings) -> Lane {
+    fn open(link: Link, settings: &RedisSettings, clock: &Arc<RedisClock>) -> Lane {
         let caller = Arc::new(RedisCaller {
             link,
-            script: redis::Script::new(SCRIPT),
             command_timeout: settings.command_timeout,
+            timeout_cap: settings.timeout_cap,
             fixed_clock: settings.fixed_clock.clone(),
+            clock: Arc::clone(clock),
         });
         let queue = (settings.max_batch > 1).then(|| {
             let pipelines = settings.pipelines.max(1);
@@ -251,38 +274,73 @@ impl Lane {
         Lane { caller, queue }
     }
 
-    /// Decides one request: sent on its own when nothing waits and a call slot is free (so
-    /// coalescing adds no hand-off at low load), else queued for the next batch.
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        let Some(coalescer) = &self.queue else {
-            return self.caller.evaluate_one(checks).await;
-        };
-        let queue = &coalescer.sender;
-        if queue.capacity() == queue.max_capacity() {
-            // The semaphore is fair: while batches wait for a slot, this fails, and the
-            // request joins them.
-            if let Ok(_slot) = coalescer.calls.try_acquire() {
-                return self.caller.evaluate_one(checks).await;
-            }
-        }
+    /// Decides one request by `deadline`: sent on its own when nothing waits and a call slot
+    /// is free (so coalescing adds no hand-off at low load), else queued for the next batch.
+    async fn decide(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let budget = Budget::new(
+            Instant::now(),
+            deadline,
+            self.caller.command_timeout,
+            self.caller.timeout_cap,
+        );
         let (reply, answer) = oneshot::channel();
         let job = Job {
             checks: checks.to_vec(),
+            budget,
             reply,
         };
-        let timeout = self.caller.command_timeout;
-        // The whole wait, queueing included, is bounded by the command timeout.
-        tokio::time::timeout(timeout, async {
-            queue
-                .send(job)
-                .await
-                .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
-            answer.await.map_err(|_| {
-                StoreError::Unavailable("redis batcher dropped the request".to_owned())
-            })?
-        })
-        .await
-        .map_err(|_| StoreError::Timeout(timeout))?
+        // A call slot for this request alone, or the queue it joins.
+        let direct = match &self.queue {
+            None => Ok(None),
+            // The semaphore is fair: while batches wait for a slot, this fails, and the
+            // request joins them.
+            Some(coalescer) if coalescer.sender.capacity() == coalescer.sender.max_capacity() => {
+                Arc::clone(&coalescer.calls)
+                    .try_acquire_owned()
+                    .map(Some)
+                    .map_err(|_| coalescer)
+            }
+            Some(coalescer) => Err(coalescer),
+        };
+        match direct {
+            Ok(slot) => {
+                // A task of its own, not this caller's: a caller that goes away (its client
+                // cancelled) must not drop a call in flight, whose hits must then be given back.
+                let caller = Arc::clone(&self.caller);
+                tokio::spawn(async move {
+                    caller.run_jobs(vec![job]).await;
+                    drop(slot);
+                });
+            }
+            Err(coalescer) => {
+                tokio::time::timeout_at(budget.deadline.into(), coalescer.sender.send(job))
+                    .await
+                    .map_err(|_| budget.exceeded())?
+                    .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
+            }
+        }
+        wait_for(answer, &budget).await
+    }
+}
+
+/// The answer to a request, by its budget's deadline. Past it the channel is closed, so an
+/// answer that comes later is known to be unused (and its hits given back), while one that came
+/// just in time is still taken.
+async fn wait_for(
+    mut answer: oneshot::Receiver<Result<Vec<Outcome>, StoreError>>,
+    budget: &Budget,
+) -> Result<Vec<Outcome>, StoreError> {
+    match tokio::time::timeout_at(budget.deadline.into(), &mut answer).await {
+        Ok(answer) => answer
+            .map_err(|_| StoreError::Unavailable("redis batcher dropped the request".to_owned()))?,
+        Err(_) => {
+            answer.close();
+            answer.try_recv().unwrap_or_else(|_| Err(budget.exceeded()))
+        }
     }
 }
 
@@ -305,10 +363,12 @@ impl RedisStore {
         } else {
             settings.lanes
         };
+        let clock = Arc::new(RedisClock::new(settings.fixed_clock.clone()));
         let store = RedisStore {
-            shared: Lane::open(link, &settings),
+            shared: Lane::open(link, &settings, &clock),
             lanes: (0..lanes).map(|_| OnceLock::new()).collect(),
             settings,
+            clock,
         };
         match tokio::time::timeout(store.settings.connect_timeout, store.load_script()).await {
             Ok(Ok(sha)) => tracing::info!(%sha, "redis connected, script loaded"),
@@ -345,9 +405,8 @@ impl RedisStore {
             return lane;
         }
         match direct_connection(&self.settings) {
-            Ok(connection) => {
-                slot.get_or_init(|| Lane::open(Link::Direct(connection), &self.settings))
-            }
+            Ok(connection) => slot
+                .get_or_init(|| Lane::open(Link::Direct(connection), &self.settings, &self.clock)),
             Err(error) => {
                 // The shared lane was built from the same settings, so this is not expected.
                 tracing::warn!(%error, "redis: cannot open a lane's connection; sharing one");
@@ -399,7 +458,7 @@ impl SentinelLink {
             rebuilding: AtomicBool::new(false),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(settings.connect_timeout))
-                .set_response_timeout(Some(settings.command_timeout)),
+                .set_response_timeout(Some(settings.timeout_cap)),
             connect_timeout: settings.connect_timeout,
         })
     }
@@ -464,8 +523,13 @@ macro_rules! on_link {
 
 impl RedisCaller {
     async fn load_script(&self) -> Result<String, StoreError> {
-        on_link!(self, |connection| self.script.load_async(&mut connection))
-            .map_err(|error| StoreError::Unavailable(error.to_string()))
+        let loaded = on_link!(self, |connection| LOADED.load_async(&mut connection))
+            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        // Learn Redis's clock too, so the first requests carry deadlines without a detour.
+        if let Err(error) = self.sync_clock(Instant::now() + self.command_timeout).await {
+            tracing::debug!(%error, "redis clock not read at load");
+        }
+        Ok(loaded)
     }
 
     async fn ping(&self) -> bool {
@@ -480,62 +544,196 @@ impl RedisCaller {
         )
     }
 
-    /// Decides one request in its own EVALSHA.
-    async fn evaluate_one(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        let mut answers = self.evaluate_batch(&[checks]).await?;
-        answers
-            .pop()
-            .ok_or_else(|| StoreError::Protocol("no answer for the request".to_owned()))
+    /// Reads Redis's clock once, by `deadline`.
+    async fn sync_clock(&self, deadline: Instant) -> Result<(), StoreError> {
+        let command = time_command(None);
+        let read = async {
+            on_link!(self, |connection| command
+                .query_async::<u64>(&mut connection))
+        };
+        let now = tokio::time::timeout_at(deadline.into(), read)
+            .await
+            .map_err(|_| StoreError::Timeout(deadline.saturating_duration_since(Instant::now())))?
+            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
+        self.clock.observe(0, now, Instant::now());
+        Ok(())
     }
 
-    /// Decides several requests in one EVALSHA; each stays atomic and all-or-nothing, and later
-    /// ones see what earlier ones committed.
-    async fn evaluate_batch(&self, requests: &[&[Check]]) -> Result<Vec<Vec<Outcome>>, StoreError> {
-        let script_call = ScriptCall::new(&self.script, self.fixed_clock.as_deref(), requests);
-        // Never retried after a timeout: the script may have run, and a retry could count twice.
-        let call = async { on_link!(self, |connection| script_call.run(&mut connection)) };
-        let reply: Vec<u8> = tokio::time::timeout(self.command_timeout, call)
-            .await
-            .map_err(|_| {
+    /// Decides `jobs` in one EVALSHA and answers each through its channel; each stays atomic
+    /// and all-or-nothing, and later ones see what earlier ones committed.
+    ///
+    /// A request is decided only if the script reaches it before its script deadline, so a
+    /// stalled Redis that runs the call late writes nothing for it. Waits until the latest
+    /// deadline; a reply still out then is awaited in the background (up to the cap), and the
+    /// hits of any request it committed whose caller had stopped listening are given back.
+    async fn run_jobs(self: &Arc<Self>, jobs: Vec<Job>) {
+        let Some(latest) = jobs.iter().map(|job| job.budget.deadline).max() else {
+            return;
+        };
+        let Some((jobs, call)) = self.prepare(jobs, latest).await else {
+            return;
+        };
+        let mut reply = Box::pin(Arc::clone(self).send(call));
+        tokio::select! {
+            biased;
+            reply = &mut reply => self.answer(jobs, reply).await,
+            () = tokio::time::sleep_until(latest.into()) => {
                 // A master that stopped answering may have been replaced.
                 if let Link::Sentinel(link) = &self.link {
                     link.reconnect_later();
                 }
-                StoreError::Timeout(self.command_timeout)
-            })?
-            .map_err(|error| StoreError::Unavailable(error.to_string()))?;
-        split_reply(&reply, requests)
+                let caller = Arc::clone(self);
+                tokio::spawn(async move {
+                    let reply = tokio::time::timeout(caller.timeout_cap, reply)
+                        .await
+                        .unwrap_or(Err(StoreError::Timeout(caller.timeout_cap)));
+                    caller.answer(jobs, reply).await;
+                });
+            }
+        }
     }
+
+    /// The call for `jobs` on Redis's clock (read first if still unknown), and the jobs it
+    /// carries; jobs already past their script deadline are answered as timed out here.
+    async fn prepare(&self, jobs: Vec<Job>, latest: Instant) -> Option<(Vec<Job>, ScriptCall)> {
+        if self.clock.redis_us(0, latest).is_none()
+            && let Err(error) = self.sync_clock(latest).await
+        {
+            for job in jobs {
+                let _ = job.reply.send(Err(error.clone()));
+            }
+            return None;
+        }
+        let now = Instant::now();
+        let mut sent = Vec::with_capacity(jobs.len());
+        let mut deadlines = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let script_deadline = job.budget.script_deadline;
+            match (script_deadline > now)
+                .then(|| self.clock.redis_us(0, script_deadline))
+                .flatten()
+            {
+                Some(at) => {
+                    sent.push(job);
+                    deadlines.push(Some(at));
+                }
+                None => {
+                    let _ = job.reply.send(Err(job.budget.exceeded()));
+                }
+            }
+        }
+        if sent.is_empty() {
+            return None;
+        }
+        let requests: Vec<(&[Check], Option<u64>)> = sent
+            .iter()
+            .zip(deadlines)
+            .map(|(job, at)| (job.checks.as_slice(), at))
+            .collect();
+        let call = ScriptCall::new(self.fixed_clock.as_deref(), &requests);
+        Some((sent, call))
+    }
+
+    /// Sends `call`; owns everything, so it can finish after its caller stopped waiting.
+    async fn send(self: Arc<Self>, call: ScriptCall) -> Result<Vec<u8>, StoreError> {
+        // Never retried after a timeout: the script may have run, and a retry could count twice.
+        on_link!(self, |connection| call.run(&mut connection))
+            .map_err(|error| StoreError::Unavailable(error.to_string()))
+    }
+
+    /// Answers each job from `reply`; gives back what a request committed when its caller no
+    /// longer listens.
+    async fn answer(&self, jobs: Vec<Job>, reply: Result<Vec<u8>, StoreError>) {
+        let received = Instant::now();
+        let sizes: Vec<usize> = jobs.iter().map(|job| job.checks.len()).collect();
+        let answers = match reply.and_then(|reply| split_reply(&reply, &sizes)) {
+            Ok(reply) => {
+                self.clock.observe(0, reply.now_us, received);
+                reply.answers
+            }
+            Err(error) => {
+                for job in jobs {
+                    let _ = job.reply.send(Err(error.clone()));
+                }
+                return;
+            }
+        };
+        let mut unused = Vec::new();
+        for (job, answer) in jobs.into_iter().zip(answers) {
+            let answer = answer.ok_or_else(|| job.budget.exceeded());
+            let committed = match &answer {
+                Ok(outcomes) if request_allowed(&job.checks, outcomes) => {
+                    refunds(&job.checks, outcomes)
+                }
+                _ => Vec::new(),
+            };
+            if job.reply.send(answer).is_err() {
+                unused.extend(committed);
+            }
+        }
+        if !unused.is_empty() {
+            self.give_back(&unused).await;
+        }
+    }
+
+    /// Refunds hits committed for requests whose answers went unused: with no deadline, since
+    /// they must land however late.
+    async fn give_back(&self, refunds: &[Check]) {
+        let call = ScriptCall::new(self.fixed_clock.as_deref(), &[(refunds, None)]);
+        let sent = async { on_link!(self, |connection| call.run(&mut connection)) };
+        match tokio::time::timeout(self.timeout_cap, sent).await {
+            Ok(Ok(_)) => tracing::debug!(
+                checks = refunds.len(),
+                "gave back the hits of answers that came too late to be used"
+            ),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "redis: giving back the hits of an unused answer failed; they stay counted")
+            }
+            Err(_) => tracing::warn!(
+                "redis: giving back the hits of an unused answer timed out; they may stay counted"
+            ),
+        }
+    }
+}
+
+/// The command that reads Redis's clock (µs), on the node holding `key` when given.
+pub(super) fn time_command(key: Option<&str>) -> redis::Cmd {
+    let mut command = redis::cmd("EVAL");
+    command.arg(TIME_SCRIPT);
+    match key {
+        Some(key) => command.arg(1).arg(key),
+        None => command.arg(0),
+    };
+    command
 }
 
 /// One EVALSHA of the script (see `lua/ratelimit.lua` for the layout), its keys and arguments
 /// written straight into one command buffer: a `ScriptInvocation` allocates a buffer per
 /// argument and then copies them all into the command again.
-pub(super) struct ScriptCall<'s> {
-    script: &'s redis::Script,
+pub(super) struct ScriptCall {
     command: redis::Cmd,
 }
 
-impl<'s> ScriptCall<'s> {
-    /// The call deciding `requests`, in order.
+impl ScriptCall {
+    /// The call deciding `requests`, in order, each by its deadline on the script's clock (µs;
+    /// `None`: whenever the script runs).
     pub(super) fn new(
-        script: &'s redis::Script,
         fixed_clock: Option<&dyn Clock>,
-        requests: &[&[Check]],
-    ) -> ScriptCall<'s> {
-        let keys: usize = requests.iter().map(|checks| checks.len()).sum();
+        requests: &[(&[Check], Option<u64>)],
+    ) -> ScriptCall {
+        let keys: usize = requests.iter().map(|(checks, _)| checks.len()).sum();
         let key_bytes: usize = requests
             .iter()
-            .flat_map(|checks| checks.iter())
+            .flat_map(|(checks, _)| checks.iter())
             .map(|check| check.key.len())
             .sum();
         // Sized up front: grown argument by argument, the buffers were reallocated several
         // times per call. At most one limit per check; numbers take a few digits each.
-        let arguments = 6 + keys * 8 + requests.len() * 2;
+        let arguments = 6 + keys * 8 + requests.len() * 3;
         let mut command =
             redis::Cmd::with_capacity(arguments, 64 + key_bytes + arguments * NUMBER_BYTES);
-        command.arg("EVALSHA").arg(script.get_hash()).arg(keys);
-        for check in requests.iter().flat_map(|checks| checks.iter()) {
+        command.arg("EVALSHA").arg(LOADED.get_hash()).arg(keys);
+        for check in requests.iter().flat_map(|(checks, _)| checks.iter()) {
             command.arg(check.key.as_str());
         }
         match fixed_clock {
@@ -554,7 +752,7 @@ impl<'s> ScriptCall<'s> {
             (&check.params, mode)
         }
         let mut limits: Vec<(&Params, u8)> = Vec::new();
-        for check in requests.iter().flat_map(|checks| checks.iter()) {
+        for check in requests.iter().flat_map(|(checks, _)| checks.iter()) {
             if !limits.contains(&limit_of(check)) {
                 limits.push(limit_of(check));
             }
@@ -569,8 +767,12 @@ impl<'s> ScriptCall<'s> {
                 .arg(*mode);
         }
         command.arg(requests.len());
-        for checks in requests {
+        for (checks, deadline) in requests {
             command.arg(checks.len());
+            match deadline {
+                Some(at) => command.arg(*at),
+                None => command.arg(""),
+            };
             for check in *checks {
                 let index = limits.iter().position(|known| *known == limit_of(check));
                 command.arg(index.map_or(0, |index| index + 1));
@@ -582,12 +784,13 @@ impl<'s> ScriptCall<'s> {
                 };
             }
         }
-        ScriptCall { script, command }
+        ScriptCall { command }
     }
 
-    /// Runs the call and returns the script's reply. On NOSCRIPT (Redis restarted or its
-    /// scripts were flushed) the script did not run: it is loaded and the call sent once more,
-    /// so nothing counts twice.
+    /// Runs the call and returns the script's reply. On NOSCRIPT (Redis restarted, failed
+    /// over, or its scripts were flushed) the script did not run: the same call goes again as
+    /// an EVAL carrying the script, one more round trip instead of a load and a retry, so the
+    /// reload stays within the caller's budget and nothing counts twice.
     pub(super) async fn run(
         &self,
         connection: &mut impl redis::aio::ConnectionLike,
@@ -596,11 +799,22 @@ impl<'s> ScriptCall<'s> {
             Err(error)
                 if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
             {
-                self.script.load_async(connection).await?;
-                self.command.query_async(connection).await
+                self.with_script_body().query_async(connection).await
             }
             reply => reply,
         }
+    }
+
+    /// The same call as `EVAL <script> ...`.
+    fn with_script_body(&self) -> redis::Cmd {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(SCRIPT);
+        for arg in self.command.args_iter().skip(2) {
+            if let redis::Arg::Simple(bytes) = arg {
+                eval.arg(bytes);
+            }
+        }
+        eval
     }
 }
 
@@ -608,25 +822,38 @@ impl<'s> ScriptCall<'s> {
 /// `fixed_clock`'s time as in tests (the bench tool replays it with `redis-benchmark` as the
 /// one-call-per-request ceiling).
 pub fn script_command(requests: &[&[Check]], fixed_clock: Option<&dyn Clock>) -> redis::Cmd {
-    ScriptCall::new(&redis::Script::new(SCRIPT), fixed_clock, requests).command
+    let requests: Vec<(&[Check], Option<u64>)> =
+        requests.iter().map(|checks| (*checks, None)).collect();
+    ScriptCall::new(fixed_clock, &requests).command
 }
 
-/// The script's reply, split back into one answer per request.
-pub(super) fn split_reply(
-    reply: &[u8],
-    requests: &[&[Check]],
-) -> Result<Vec<Vec<Outcome>>, StoreError> {
-    let total: usize = requests.iter().map(|checks| checks.len()).sum();
-    let mut outcomes = parse_reply(reply, total)?.into_iter();
-    Ok(requests
+/// A script reply: the script's clock, and each request's outcomes (`None`: the script
+/// reached it after its deadline and wrote nothing).
+pub(super) struct ScriptReply {
+    pub(super) now_us: u64,
+    pub(super) answers: Vec<Option<Vec<Outcome>>>,
+}
+
+/// The script's reply to requests of `sizes` checks each, split back into one answer per
+/// request.
+pub(super) fn split_reply(reply: &[u8], sizes: &[usize]) -> Result<ScriptReply, StoreError> {
+    let total: usize = sizes.iter().sum();
+    let (now_us, outcomes) = parse_reply(reply, total)?;
+    let mut outcomes = outcomes.into_iter();
+    let answers = sizes
         .iter()
-        .map(|checks| outcomes.by_ref().take(checks.len()).collect())
-        .collect())
+        .map(|&size| {
+            let answer: Vec<Option<Outcome>> = outcomes.by_ref().take(size).collect();
+            answer.into_iter().collect::<Option<Vec<Outcome>>>()
+        })
+        .collect();
+    Ok(ScriptReply { now_us, answers })
 }
 
-/// One request waiting to be coalesced into a batch.
+/// One request to decide, and where its answer goes.
 struct Job {
     checks: Vec<Check>,
+    budget: Budget,
     reply: oneshot::Sender<Result<Vec<Outcome>, StoreError>>,
 }
 
@@ -666,26 +893,18 @@ async fn run_batches(
         if jobs.is_empty() {
             continue;
         }
-        let requests: Vec<&[Check]> = jobs.iter().map(|job| job.checks.as_slice()).collect();
-        match store.evaluate_batch(&requests).await {
-            Ok(answers) => {
-                for (job, answer) in jobs.into_iter().zip(answers) {
-                    let _ = job.reply.send(Ok(answer));
-                }
-            }
-            Err(error) => {
-                for job in jobs {
-                    let _ = job.reply.send(Err(error.clone()));
-                }
-            }
-        }
+        store.run_jobs(jobs).await;
     }
 }
 
-/// `allowed remaining reset_us` per check, as decimal integers separated by spaces. Read byte by
-/// byte: through `str::parse` the reply cost thousands of instructions per request.
-fn parse_reply(reply: &[u8], checks: usize) -> Result<Vec<Outcome>, StoreError> {
+/// The script's clock, then `allowed remaining reset_us` per check (`None` for a late request's
+/// checks, allowed 2), as decimal integers separated by spaces. Read byte by byte: through
+/// `str::parse` the reply cost thousands of instructions per request.
+fn parse_reply(reply: &[u8], checks: usize) -> Result<(u64, Vec<Option<Outcome>>), StoreError> {
     let mut numbers = ReplyNumbers { reply, at: 0 };
+    let now_us = numbers
+        .next()
+        .ok_or_else(|| StoreError::Protocol("script answered nothing".to_owned()))??;
     let mut outcomes = Vec::with_capacity(checks);
     for _ in 0..checks {
         let (Some(allowed), Some(remaining), Some(reset)) =
@@ -696,13 +915,14 @@ fn parse_reply(reply: &[u8], checks: usize) -> Result<Vec<Outcome>, StoreError> 
                 outcomes.len() * 3
             )));
         };
-        outcomes.push(Outcome {
+        let (allowed, remaining, reset_us) = (allowed?, remaining?, reset?);
+        outcomes.push((allowed != LATE).then_some(Outcome {
             verdict: Verdict {
-                allowed: allowed? == 1,
-                remaining: remaining?,
-                reset_us: reset?,
+                allowed: allowed == 1,
+                remaining,
+                reset_us,
             },
-        });
+        }));
     }
     if numbers.next().is_some() {
         return Err(StoreError::Protocol(format!(
@@ -710,8 +930,11 @@ fn parse_reply(reply: &[u8], checks: usize) -> Result<Vec<Outcome>, StoreError> 
             checks * 3
         )));
     }
-    Ok(outcomes)
+    Ok((now_us, outcomes))
 }
+
+/// The `allowed` the script answers for the checks of a request it reached past its deadline.
+const LATE: u64 = 2;
 
 /// Typical bytes of one numeric argument, for sizing a command.
 const NUMBER_BYTES: usize = 8;
@@ -782,8 +1005,12 @@ impl Store for RedisStore {
         }
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
-        self.lane().decide(checks).await
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        self.lane().decide(checks, deadline).await
     }
 }
 
@@ -793,15 +1020,16 @@ mod reply_tests {
 
     #[test]
     fn replies_parse_three_integers_per_check() {
-        let outcomes = parse_reply(b"1 4 1000 0 0 250000", 2).expect("parses");
+        let (now, outcomes) = parse_reply(b"77 1 4 1000 0 0 250000 2 0 0", 3).expect("parses");
+        assert_eq!(now, 77);
         assert_eq!(
             outcomes
                 .iter()
-                .map(|o| (o.verdict.allowed, o.verdict.remaining, o.verdict.reset_us))
+                .map(|o| o.map(|o| (o.verdict.allowed, o.verdict.remaining, o.verdict.reset_us)))
                 .collect::<Vec<_>>(),
-            [(true, 4, 1000), (false, 0, 250_000)]
+            [Some((true, 4, 1000)), Some((false, 0, 250_000)), None]
         );
-        assert!(parse_reply(b"", 0).expect("empty").is_empty());
+        assert!(parse_reply(b"5", 0).expect("empty").1.is_empty());
     }
 
     proptest::proptest! {
@@ -812,16 +1040,18 @@ mod reply_tests {
             checks in proptest::collection::vec((0..=1_u64, proptest::num::u64::ANY, proptest::num::u64::ANY), 0..20),
             gaps in proptest::collection::vec(1..4_usize, 60),
         ) {
-            let mut reply = String::new();
+            let mut reply = String::from("1");
+            reply.push_str(&" ".repeat(gaps[0]));
             for (i, number) in checks.iter().flat_map(|&(a, r, t)| [a, r, t]).enumerate() {
                 if i > 0 {
                     reply.push_str(&" ".repeat(gaps[i % gaps.len()]));
                 }
                 reply.push_str(&number.to_string());
             }
-            let outcomes = parse_reply(reply.as_bytes(), checks.len()).expect("parses");
+            let (_, outcomes) = parse_reply(reply.as_bytes(), checks.len()).expect("parses");
             let read: Vec<(bool, u64, u64)> = outcomes
                 .iter()
+                .flatten()
                 .map(|o| (o.verdict.allowed, o.verdict.remaining, o.verdict.reset_us))
                 .collect();
             let expected: Vec<(bool, u64, u64)> =
@@ -841,11 +1071,13 @@ mod reply_tests {
             (b"1 4 +3", 1),
             (b"", 1),
         ] {
+            let reply = [&b"9 "[..], reply].concat();
             assert!(
-                matches!(parse_reply(reply, checks), Err(StoreError::Protocol(_))),
+                matches!(parse_reply(&reply, checks), Err(StoreError::Protocol(_))),
                 "{:?} for {checks} checks",
-                String::from_utf8_lossy(reply)
+                String::from_utf8_lossy(&reply)
             );
         }
+        assert!(matches!(parse_reply(b"", 0), Err(StoreError::Protocol(_))));
     }
 }

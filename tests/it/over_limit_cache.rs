@@ -31,9 +31,13 @@ impl Store for Counted {
         true
     }
 
-    async fn decide(&self, checks: &[Check]) -> Result<Vec<Outcome>, StoreError> {
+    async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        self.store.decide(checks).await
+        self.store.decide_by(checks, deadline).await
     }
 }
 

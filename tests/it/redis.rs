@@ -418,8 +418,10 @@ fn one_call_writes_a_shared_key_once_with_its_final_state() {
         .and_then(|client| client.get_connection())
         .expect("connect");
     let remaining = |reply: String| -> Vec<u64> {
+        // The reply starts with the script's clock.
         let numbers: Vec<u64> = reply
             .split(' ')
+            .skip(1)
             .map(|n| n.parse().expect("a number"))
             .collect();
         numbers.chunks(3).map(|check| check[1]).collect()
@@ -444,4 +446,250 @@ fn one_call_writes_a_shared_key_once_with_its_final_state() {
         .query(&mut connection)
         .expect("pttl");
     assert!(ttl > 0, "the key expires: PTTL {ttl}");
+}
+
+/// `request` with Envoy's deadline: `grpc-timeout` set to `timeout` (tonic's client also gives
+/// up then, as Envoy does).
+fn within(
+    req: rlsd::pb::RateLimitRequest,
+    timeout: Duration,
+) -> tonic::Request<rlsd::pb::RateLimitRequest> {
+    let mut req = tonic::Request::new(req);
+    let value = format!("{}m", timeout.as_millis());
+    req.metadata_mut()
+        .insert("grpc-timeout", value.parse().expect("ascii"));
+    req
+}
+
+/// Asks for one hit of `algorithm` in [`EXACT`]: the verdict and remaining, or the gRPC error.
+async fn ask_exact(
+    client: &mut RateLimitServiceClient<Channel>,
+    algorithm: Algorithm,
+    timeout: impl Into<Option<Duration>>,
+) -> Result<(Code, u32), tonic::Code> {
+    let req = request(
+        "exact",
+        vec![descriptor(&[("algorithm", algorithm.name())])],
+    );
+    let req = match timeout.into() {
+        Some(timeout) => within(req, timeout),
+        None => tonic::Request::new(req),
+    };
+    let response = client
+        .should_rate_limit(req)
+        .await
+        .map_err(|status| status.code())?
+        .into_inner();
+    Ok((
+        Code::try_from(response.overall_code).expect("known code"),
+        response.statuses[0].limit_remaining,
+    ))
+}
+
+fn signal_redis(redis: &RedisServer, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([signal, &redis.pid().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(sent.success(), "kill {signal}");
+}
+
+/// Calls that time out while Redis is stopped are answered by the failure mode; when Redis
+/// resumes and runs their queued scripts, those write nothing: the answer was not used, so the
+/// quota is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_timed_out_while_redis_was_stopped_leave_no_trace() {
+    let redis = RedisServer::start();
+    let rlsd = Rlsd::start(
+        EXACT,
+        &redis.url(),
+        FailureMode::Error,
+        rlsd::store::redis::DEFAULT_COMMAND_TIMEOUT,
+    )
+    .await;
+    let mut client = rlsd.client().await;
+    let envoy = Duration::from_millis(200);
+    for algorithm in Algorithm::ALL {
+        for _ in 0..3 {
+            let answer = ask_exact(&mut client, algorithm, Duration::from_secs(2)).await;
+            assert_eq!(answer.map(|a| a.0), Ok(Code::Ok), "{algorithm}");
+        }
+    }
+    signal_redis(&redis, "-STOP");
+    let stopped: Vec<_> = Algorithm::ALL
+        .into_iter()
+        .flat_map(|algorithm| std::iter::repeat_n(algorithm, 20))
+        .map(|algorithm| {
+            let mut client = client.clone();
+            tokio::spawn(async move { ask_exact(&mut client, algorithm, envoy).await })
+        })
+        .collect();
+    tokio::time::sleep(envoy * 2).await;
+    for call in stopped {
+        // UNAVAILABLE from rlsd's failure mode, or CANCELLED if even that came too late.
+        let answer = call.await.expect("task");
+        assert!(
+            answer.is_err(),
+            "no answer while Redis is stopped: {answer:?}"
+        );
+    }
+    signal_redis(&redis, "-CONT");
+    // Redis now runs the 100 scripts queued on the connection, each past its deadline.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for algorithm in Algorithm::ALL {
+        let answer = ask_exact(&mut client, algorithm, Duration::from_secs(2)).await;
+        assert_eq!(
+            answer,
+            Ok((Code::Ok, 500 - 4)),
+            "{algorithm}: only the 4 answered calls count"
+        );
+    }
+    rlsd.stop().await;
+}
+
+/// The same exactness as above, with Envoy's budget on every call, while the machine is
+/// loaded on purpose (threads spinning on every core): three rlsd processes on one Redis,
+/// hundreds of calls in flight, each algorithm admits exactly its limit, and what Redis counted
+/// is what was admitted, whichever calls ran out of time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_loaded_machine_admit_exactly_the_limit() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const LIMIT: usize = 100;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut yaml = String::from("domain: exact\ndescriptors:\n");
+    for algorithm in Algorithm::ALL {
+        let burst = if algorithm.takes_burst() {
+            format!(", burst: {LIMIT}")
+        } else {
+            String::new()
+        };
+        yaml.push_str(&format!(
+            "  - key: algorithm\n    value: {0}\n    rate_limit: {{unit: day, requests_per_unit: {LIMIT}, algorithm: {0}{burst}}}\n",
+            algorithm.name()
+        ));
+    }
+    std::fs::write(dir.path().join("exact.yaml"), yaml).expect("config");
+    let config = dir.path().display().to_string();
+    // The callers send no deadline (so this busy test client never gives up on its own), and
+    // rlsd gives each call 5 ms, as tight as the old default: many run out of time.
+    let replicas: Vec<common::process::Rlsd> = (0..3)
+        .map(|_| {
+            common::process::Rlsd::serve([
+                "--config",
+                &config,
+                "--redis-url",
+                &redis.url(),
+                "--redis-command-timeout-ms",
+                "5",
+            ])
+        })
+        .collect();
+    let mut clients = Vec::new();
+    for replica in &replicas {
+        clients.push(
+            RateLimitServiceClient::connect(format!("http://{}", replica.grpc))
+                .await
+                .expect("connect"),
+        );
+    }
+    let spinning = Arc::new(AtomicBool::new(true));
+    let spinners: Vec<_> = (0..std::thread::available_parallelism().map_or(2, |n| n.get()))
+        .map(|_| {
+            let spinning = Arc::clone(&spinning);
+            std::thread::spawn(move || {
+                let mut x = 0_u64;
+                while spinning.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005) + 1);
+                }
+            })
+        })
+        .collect();
+    let mut failed = 0;
+    for algorithm in Algorithm::ALL {
+        let calls: Vec<_> = (0..300)
+            .map(|i| {
+                let mut client = clients[i % clients.len()].clone();
+                tokio::spawn(async move {
+                    let (mut admitted, mut failed) = (0, 0);
+                    // Until a denial says the limit is used up.
+                    for _ in 0..200 {
+                        match ask_exact(&mut client, algorithm, None).await {
+                            Ok((Code::Ok, _)) => admitted += 1,
+                            Ok(_) => break,
+                            Err(_) => failed += 1,
+                        }
+                    }
+                    (admitted, failed)
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for call in calls {
+            let (a, f) = call.await.expect("task");
+            admitted += a;
+            failed += f;
+        }
+        // Then one at a time until denied: hits of answers that came too late are given back
+        // in the background, so wait a little for any still on their way.
+        let settled = Instant::now() + Duration::from_secs(2);
+        loop {
+            match ask_exact(&mut clients[0], algorithm, Duration::from_secs(2)).await {
+                Ok((Code::Ok, _)) => admitted += 1,
+                Ok(_) if admitted >= LIMIT || Instant::now() > settled => break,
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        assert_eq!(
+            admitted, LIMIT,
+            "{algorithm}: admitted, and counted in Redis, under load"
+        );
+    }
+    spinning.store(false, Ordering::Relaxed);
+    for spinner in spinners {
+        spinner.join().expect("spinner");
+    }
+    eprintln!("calls answered by the failure mode under load: {failed}");
+}
+
+/// After `SCRIPT FLUSH`, the script goes again with its body in the same call: a caller with a
+/// budget still gets its answer, never the failure mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_stays_within_the_callers_budget() {
+    let redis = RedisServer::start();
+    let rlsd = Rlsd::start(
+        EXACT,
+        &redis.url(),
+        FailureMode::Error,
+        rlsd::store::redis::DEFAULT_COMMAND_TIMEOUT,
+    )
+    .await;
+    let client = rlsd.client().await;
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut failed = 0;
+                for _ in 0..100 {
+                    let answer =
+                        ask_exact(&mut client, Algorithm::Gcra, Duration::from_millis(250)).await;
+                    failed += usize::from(answer.is_err());
+                }
+                failed
+            })
+        })
+        .collect();
+    for _ in 0..10 {
+        assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let mut failed = 0;
+    for call in calls {
+        failed += call.await.expect("task");
+    }
+    assert_eq!(
+        failed, 0,
+        "calls answered by the failure mode across 10 flushes"
+    );
+    rlsd.stop().await;
 }
