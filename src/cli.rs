@@ -169,6 +169,11 @@ pub struct ServeArgs {
     /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
+    /// Let `POST /json` on the admin port take and give back hits as a gRPC call does, a
+    /// debugging aid: whoever reaches the port can then exhaust or refill any quota. Without
+    /// it, `/json` is a dry run that changes nothing.
+    #[arg(long, env = "RLSD_ADMIN_JSON_WRITES")]
+    pub admin_json_writes: bool,
     /// Also serve `/rlconfig` and `/metrics`, read-only, on this address (envoyproxy/ratelimit's
     /// debug port, 6070 when run as `/bin/ratelimit`).
     #[arg(long, env = "RLSD_DEBUG_ADDR")]
@@ -569,6 +574,7 @@ impl ServeArgs {
             shutdown_grace: seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds")?,
             tls,
             lanes: self.serving_lanes(),
+            admin_json_writes: self.admin_json_writes,
         })
     }
 

@@ -76,6 +76,17 @@ impl FailureMode {
     }
 }
 
+/// What one decision may change in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Effect {
+    /// Hits are taken and refunds given back, and counted in the limit metrics: a gRPC call.
+    #[default]
+    Apply,
+    /// Every check is a peek ([`Hits::Peek`], refunds too): the answer one more hit would get
+    /// now, with nothing written to the store and nothing counted in the limit metrics.
+    DryRun,
+}
+
 /// How the service answers, apart from the config and the store.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceSettings {
@@ -201,14 +212,16 @@ impl<S: Store> RateLimiter<S> {
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
-        self.decide_in(request, None).await
+        self.decide_in(request, None, Effect::Apply).await
     }
 
-    /// [`RateLimiter::decide`], tracing the store call as a child of `trace` when given.
+    /// [`RateLimiter::decide`] with `effect`, tracing the store call as a child of `trace` when
+    /// given.
     async fn decide_in(
         &self,
         request: pb::RateLimitRequest,
         trace: Option<&opentelemetry::Context>,
+        effect: Effect,
     ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
             .inspect_err(|_| self.metrics.invalid_requests.inc())?;
@@ -218,6 +231,11 @@ impl<S: Store> RateLimiter<S> {
         if self.settings.shadow_mode {
             for check in &mut plan.checks {
                 check.shadow = true;
+            }
+        }
+        if effect == Effect::DryRun {
+            for check in &mut plan.checks {
+                check.hits = Hits::Peek;
             }
         }
         if plan.checks.is_empty() {
@@ -241,7 +259,10 @@ impl<S: Store> RateLimiter<S> {
                 if self.store_failing.swap(false, Ordering::Relaxed) {
                     tracing::info!("store answering again");
                 }
-                self.record(&request, &plan, &outcomes);
+                // A dry run is not traffic: it counts no hits and creates no series.
+                if effect == Effect::Apply {
+                    self.record(&request, &plan, &outcomes);
+                }
                 Ok(assemble(&plan, &outcomes, self.settings.headers))
             }
             Err(error) => self.failure_answer(&plan, &error),
@@ -328,10 +349,11 @@ fn store_duration(metrics: &Metrics, store: &impl Store) -> prometheus::Histogra
 /// Something that answers `ShouldRateLimit`, without naming its store: what the admin `/json`
 /// endpoint calls.
 pub trait Decide: Send + Sync + 'static {
-    /// Answers one request.
+    /// Answers one request, changing the store only as `effect` allows.
     fn decide_request(
         &self,
         request: pb::RateLimitRequest,
+        effect: Effect,
     ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>>;
 }
 
@@ -339,11 +361,12 @@ impl<S: Store> Decide for RateLimiter<S> {
     fn decide_request(
         &self,
         request: pb::RateLimitRequest,
+        effect: Effect,
     ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>> {
         // Timed like a gRPC call, so `/json` traffic shows in the request latency too.
         Box::pin(async move {
             let started = Instant::now();
-            let answer = self.decide(request).await;
+            let answer = self.decide_in(request, None, effect).await;
             self.metrics.observe_request(started.elapsed());
             answer
         })
@@ -361,7 +384,9 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
             None => self.decide(request.into_inner()).await,
             Some(tracer) => {
                 let trace = tracer.request_span(request.metadata(), &request.get_ref().domain);
-                let answer = self.decide_in(request.into_inner(), Some(&trace)).await;
+                let answer = self
+                    .decide_in(request.into_inner(), Some(&trace), Effect::Apply)
+                    .await;
                 end_request_span(&trace, &answer);
                 answer
             }

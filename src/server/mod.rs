@@ -27,7 +27,7 @@ use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::health::Health;
 use crate::pb::RateLimitServiceServer;
-use crate::service::RateLimiter;
+use crate::service::{Effect, RateLimiter};
 use crate::store::Store;
 use crate::tls::TlsSettings;
 
@@ -126,6 +126,9 @@ pub struct ServeOptions {
     /// Threads that serve gRPC connections, each on a runtime of its own, connections handed to
     /// them in turn (see [`crate::lane`]); 0 serves them as tasks of the caller's runtime.
     pub lanes: usize,
+    /// Let the admin port's `/json` take and give back hits (`--admin-json-writes`); without
+    /// it every `/json` request is a dry run.
+    pub admin_json_writes: bool,
 }
 
 /// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
@@ -139,6 +142,7 @@ impl Default for ServeOptions {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             tls: None,
             lanes: 0,
+            admin_json_writes: false,
         }
     }
 }
@@ -256,6 +260,11 @@ pub async fn run_with<S: Store>(
         metrics,
         health,
         limiter,
+        json: if options.admin_json_writes {
+            Effect::Apply
+        } else {
+            Effect::DryRun
+        },
     };
     let debug = listeners
         .debug

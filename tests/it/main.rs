@@ -3,6 +3,7 @@
 
 mod common;
 
+mod admin_json;
 mod bad_input;
 mod behaviour;
 mod bench_client;
