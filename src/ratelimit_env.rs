@@ -548,9 +548,11 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
             let master = parts.next().unwrap_or_default().to_owned();
             let sentinels: Vec<String> = parts.map(with_scheme).collect();
             if master.is_empty() || sentinels.is_empty() {
+                // A URL with userinfo holds a password, which stays out of the logs.
+                let shown = if url.contains('@') { "(hidden)" } else { &url };
                 return Err(invalid(
                     "REDIS_URL",
-                    &url,
+                    shown,
                     "<master name>,<sentinel host:port>[,...] with REDIS_TYPE=SENTINEL",
                 ));
             }
