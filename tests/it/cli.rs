@@ -53,7 +53,7 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
 }
 
 #[test]
-fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
+fn check_warns_about_files_it_does_not_read_and_fails_a_config_without_domains() {
     // A directory written for envoyproxy/ratelimit, which reads files of any name.
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
@@ -64,7 +64,8 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
         .arg(dir.path())
         .output()
         .expect("run");
-    assert!(output.status.success(), "{output:?}");
+    // A reload would refuse this directory, so the check fails it.
+    assert!(!output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains(
@@ -74,8 +75,22 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("no domain loaded: every request will be answered OK"),
+        stderr.contains("no config file (*.yaml or *.yml with a 'domain:')"),
         "{stderr}"
+    );
+
+    // A domain without limits says "no limits" on purpose, and passes.
+    std::fs::write(dir.path().join("open.yaml"), "domain: open\n").expect("write");
+    let output = Command::new(RLSD)
+        .arg("check")
+        .arg("--config")
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("1 domain(s) OK"),
+        "{output:?}"
     );
 }
 
