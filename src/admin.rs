@@ -74,6 +74,8 @@ async fn healthcheck(State(state): State<AdminState>) -> (StatusCode, &'static s
         (StatusCode::INTERNAL_SERVER_ERROR, "draining")
     } else if !state.health.store_ok() {
         (StatusCode::INTERNAL_SERVER_ERROR, "store unreachable")
+    } else if !state.health.config_ok() {
+        (StatusCode::INTERNAL_SERVER_ERROR, "no config loaded")
     } else {
         (StatusCode::OK, "OK")
     }

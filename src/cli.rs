@@ -182,6 +182,11 @@ pub struct ServeArgs {
     /// it, `/json` is a dry run that changes nothing.
     #[arg(long, env = "RLSD_ADMIN_JSON_WRITES")]
     pub admin_json_writes: bool,
+    /// Report unhealthy (`/healthcheck` 500, gRPC health NOT_SERVING) while no config with at
+    /// least one domain is loaded: an empty config directory at start, xDS before its first
+    /// push or after one that dropped every domain.
+    #[arg(long, env = "RLSD_HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]
+    pub healthy_with_at_least_one_config_loaded: bool,
     /// Also serve `/rlconfig` and `/metrics`, read-only, on this address (envoyproxy/ratelimit's
     /// debug port, 6070 when run as `/bin/ratelimit`).
     #[arg(long, env = "RLSD_DEBUG_ADDR")]
@@ -583,6 +588,7 @@ impl ServeArgs {
             tls,
             lanes: self.serving_lanes(),
             admin_json_writes: self.admin_json_writes,
+            health_needs_config: self.healthy_with_at_least_one_config_loaded,
         })
     }
 

@@ -173,6 +173,14 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     if boolean("SHADOW_MODE", get("SHADOW_MODE"))? {
         flags.args.push("--shadow-mode".into());
     }
+    if boolean(
+        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        get("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED"),
+    )? {
+        flags
+            .args
+            .push("--healthy-with-at-least-one-config-loaded".into());
+    }
     // envoyproxy/ratelimit adds no headers unless asked, and then only the RateLimit-* set.
     let headers = boolean(
         "LIMIT_RESPONSE_HEADERS_ENABLED",

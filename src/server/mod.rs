@@ -129,6 +129,9 @@ pub struct ServeOptions {
     /// Let the admin port's `/json` take and give back hits (`--admin-json-writes`); without
     /// it every `/json` request is a dry run.
     pub admin_json_writes: bool,
+    /// Report unhealthy, on `/healthcheck` and gRPC health, while the config has no domain
+    /// (`--healthy-with-at-least-one-config-loaded`).
+    pub health_needs_config: bool,
 }
 
 /// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
@@ -143,6 +146,7 @@ impl Default for ServeOptions {
             tls: None,
             lanes: 0,
             admin_json_writes: false,
+            health_needs_config: false,
         }
     }
 }
@@ -181,7 +185,8 @@ pub async fn run_with<S: Store>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    let health = Arc::new(Health::new(reporter).await);
+    let required_config = options.health_needs_config.then(|| Arc::clone(&config));
+    let health = Arc::new(Health::new(reporter, required_config).await);
     let metrics = limiter.metrics();
     let store = limiter.store();
     let max_message_bytes = limiter.limits().max_message_bytes;

@@ -9,6 +9,7 @@ mod behaviour;
 mod bench_client;
 mod cli;
 mod cluster;
+mod config_health;
 mod deploy;
 mod envoy_wire;
 mod grpc;
