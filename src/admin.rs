@@ -17,7 +17,7 @@ use crate::health::Health;
 use crate::json;
 use crate::metrics::Metrics;
 use crate::pb::rate_limit_response::Code;
-use crate::service::Decide;
+use crate::service::{Decide, Effect};
 
 /// What the admin routes read.
 #[derive(Clone)]
@@ -30,10 +30,18 @@ pub struct AdminState {
     pub health: Arc<Health>,
     /// The service, for `/json`.
     pub limiter: Arc<dyn Decide>,
+    /// What `/json` may change: a dry run unless `--admin-json-writes`.
+    pub json: Effect,
 }
 
 /// The admin routes.
 pub fn router(state: AdminState) -> Router {
+    if state.json == Effect::Apply {
+        tracing::warn!(
+            "/json on the admin port takes and gives back hits (--admin-json-writes): whoever \
+             reaches that port can exhaust or refill any quota"
+        );
+    }
     Router::new()
         .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
@@ -66,6 +74,8 @@ async fn healthcheck(State(state): State<AdminState>) -> (StatusCode, &'static s
         (StatusCode::INTERNAL_SERVER_ERROR, "draining")
     } else if !state.health.store_ok() {
         (StatusCode::INTERNAL_SERVER_ERROR, "store unreachable")
+    } else if !state.health.config_ok() {
+        (StatusCode::INTERNAL_SERVER_ERROR, "no config loaded")
     } else {
         (StatusCode::OK, "OK")
     }
@@ -86,12 +96,13 @@ fn render_metrics(metrics: &Metrics) -> impl IntoResponse + use<> {
 }
 
 /// `POST /json`: a proto3-JSON `RateLimitRequest`; 200 OK, 429 over the limit, 400 malformed.
+/// A dry run unless `--admin-json-writes`: an unauthenticated port must not change quotas.
 async fn json_request(State(state): State<AdminState>, body: Bytes) -> Response {
     let request = match json::parse_request(&body) {
         Ok(request) => request,
         Err(reason) => return (StatusCode::BAD_REQUEST, reason).into_response(),
     };
-    match state.limiter.decide_request(request).await {
+    match state.limiter.decide_request(request, state.json).await {
         Ok(response) => {
             let status = if response.overall_code == i32::from(Code::OverLimit) {
                 StatusCode::TOO_MANY_REQUESTS

@@ -120,8 +120,16 @@ pub struct ServeArgs {
     /// `node.metadata` sent to the xDS server: `k1:v1,k2=v2`.
     #[arg(long, env = "RLSD_XDS_NODE_METADATA", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
     pub xds_node_metadata: Option<Pairs>,
-    /// Extra gRPC metadata on the xDS stream: `k1:v1,k2=v2`.
-    #[arg(long, env = "RLSD_XDS_HEADERS", value_name = "PAIRS", value_parser = pairs, requires = "config_xds")]
+    /// Extra gRPC metadata on the xDS stream: `k1:v1,k2=v2` (an `authorization` token, say:
+    /// its value is never shown, in `--help` or in errors).
+    #[arg(
+        long,
+        env = "RLSD_XDS_HEADERS",
+        hide_env_values = true,
+        value_name = "PAIRS",
+        value_parser = SecretPairs,
+        requires = "config_xds"
+    )]
     pub xds_headers: Option<Pairs>,
     /// Wait after a lost xDS stream before reconnecting, in milliseconds; it doubles with
     /// each further loss in a row, up to `--xds-retry-max-ms`.
@@ -169,6 +177,16 @@ pub struct ServeArgs {
     /// Admin HTTP listen address (`/healthcheck`, `/metrics`, `/rlconfig`, `/json`).
     #[arg(long, env = "RLSD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
+    /// Let `POST /json` on the admin port take and give back hits as a gRPC call does, a
+    /// debugging aid: whoever reaches the port can then exhaust or refill any quota. Without
+    /// it, `/json` is a dry run that changes nothing.
+    #[arg(long, env = "RLSD_ADMIN_JSON_WRITES")]
+    pub admin_json_writes: bool,
+    /// Report unhealthy (`/healthcheck` 500, gRPC health NOT_SERVING) while no config with at
+    /// least one domain is loaded: an empty config directory at start, xDS before its first
+    /// push or after one that dropped every domain.
+    #[arg(long, env = "RLSD_HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")]
+    pub healthy_with_at_least_one_config_loaded: bool,
     /// Also serve `/rlconfig` and `/metrics`, read-only, on this address (envoyproxy/ratelimit's
     /// debug port, 6070 when run as `/bin/ratelimit`).
     #[arg(long, env = "RLSD_DEBUG_ADDR")]
@@ -225,8 +243,9 @@ pub struct ServeArgs {
     #[arg(long, env = "RLSD_HEADERS", value_enum, default_value_t = HeaderStyle::XRatelimit)]
     pub headers: HeaderStyle,
     /// Keep state in Redis (`redis://[user:pass@]host:port[/db]`, `rediss://` for TLS) instead
-    /// of in process, so replicas share it.
-    #[arg(long, env = "RLSD_REDIS_URL")]
+    /// of in process, so replicas share it. Set it in the environment rather than here: a
+    /// command line is visible to every process on the host.
+    #[arg(long, env = "RLSD_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
     /// `single`: one Redis (or a primary behind a proxy); `cluster`: Redis Cluster, with
     /// `--redis-url` a comma-separated list of seed nodes; `sentinel`: the master that Redis
@@ -391,18 +410,17 @@ impl Cli {
             .into_iter()
             .chain(flags.args.iter().cloned());
         // The flags came from the environment: say so, and which flags, when one is refused
-        // (the Redis URL may hold a password, so not that one).
+        // (not the values of those that may hold credentials).
         let cli = Cli::try_parse_from(command_line).map_err(|error| {
-            let shown: Vec<&str> = flags
+            let shown: Vec<String> = flags
                 .args
                 .iter()
-                .map(|arg| {
-                    if arg.starts_with("--redis-url=") {
-                        "--redis-url=(hidden)"
-                    } else {
-                        arg
-                    }
-                })
+                .map(
+                    |arg| match SECRET_FLAGS.iter().find(|flag| is_flag(arg, flag)) {
+                        Some(flag) => format!("--{flag}=(hidden)"),
+                        None => arg.clone(),
+                    },
+                )
                 .collect();
             format!(
                 "the environment's settings as rlsd flags ({}) were refused: {error}",
@@ -577,6 +595,8 @@ impl ServeArgs {
             shutdown_grace: seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds")?,
             tls,
             lanes: self.serving_lanes(),
+            admin_json_writes: self.admin_json_writes,
+            health_needs_config: self.healthy_with_at_least_one_config_loaded,
         })
     }
 
@@ -599,12 +619,55 @@ impl ServeArgs {
     }
 }
 
+/// The `rlsd serve` flags whose values may hold credentials: `--help` shows their variables
+/// without values (`hide_env_values`), and no error repeats them.
+pub const SECRET_FLAGS: [&str; 2] = ["redis-url", "xds-headers"];
+
+/// Whether `arg` (`--name=value`) sets the flag `name`.
+fn is_flag(arg: &str, name: &str) -> bool {
+    arg.strip_prefix("--")
+        .and_then(|rest| rest.strip_prefix(name))
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('='))
+}
+
 /// `k1:v1,k2=v2` pairs, as one flag value.
 #[derive(Clone, Debug)]
 pub struct Pairs(pub Vec<(String, String)>);
 
 fn pairs(text: &str) -> Result<Pairs, String> {
     crate::xds::parse_pairs(text).map(Pairs)
+}
+
+/// Parses [`Pairs`] whose values may be credentials: a malformed value is refused without
+/// repeating it, where clap's own message would quote it whole.
+#[derive(Clone, Copy, Debug)]
+struct SecretPairs;
+
+impl clap::builder::TypedValueParser for SecretPairs {
+    type Value = Pairs;
+
+    fn parse_ref(
+        &self,
+        command: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<Pairs, clap::Error> {
+        let flag = arg.and_then(clap::Arg::get_long).unwrap_or("xds-headers");
+        let refused = || {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!(
+                    "invalid value for '--{flag}' (not shown, it may hold credentials): each \
+                     pair must be key:value or key=value, with a key\n"
+                ),
+            )
+            .with_cmd(command)
+        };
+        let text = value.to_str().ok_or_else(refused)?;
+        crate::xds::parse_pairs(text)
+            .map(Pairs)
+            .map_err(|_| refused())
+    }
 }
 
 fn url_path(text: &str) -> Result<String, String> {

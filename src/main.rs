@@ -51,7 +51,12 @@ fn main() -> ExitCode {
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load_path(path) {
         Ok(config) => {
-            config::warn_about_unread(path, &config);
+            config::warn_about_unread(path);
+            // What a reload would refuse fails the check too.
+            if let Some(error) = config::empty_config_error(path, &config) {
+                eprintln!("{error}");
+                return ExitCode::FAILURE;
+            }
             print!("{}", rlsd::admin::describe(&config));
             println!("{}: {} domain(s) OK", path.display(), config.domains.len());
             ExitCode::SUCCESS
@@ -75,8 +80,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(path) => {
             let loaded = config::load_path(path)
                 .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
-            tracing::info!(path = %path.display(), domains = loaded.domains.len(), "config loaded");
-            config::warn_about_unread(path, &loaded);
+            config::warn_about_unread(path);
+            // Nothing earlier to keep: serve without limits, as envoyproxy/ratelimit does, and
+            // say so as the error it most likely is.
+            match config::empty_config_error(path, &loaded) {
+                Some(error) => tracing::error!("{error}; serving without limits until one loads"),
+                None => {
+                    tracing::info!(path = %path.display(), domains = loaded.domains.len(), "config loaded");
+                }
+            }
             loaded
         }
         None => config::Config::default(),
@@ -107,7 +119,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let listeners = bind(&args).await?;
         let store = Arc::new(store::connect(store_settings).await?);
         if let Some(path) = &args.config {
-            metrics.config_load_success.inc();
+            if config.load().domains.is_empty() {
+                metrics.config_load_error.inc();
+            } else {
+                metrics.config_load_success.inc();
+            }
             let reloader = Reloader::new(path.clone(), Arc::clone(&config), Arc::clone(&metrics));
             tokio::spawn(Arc::new(reloader).watch(Duration::from_millis(args.reload_interval_ms)));
         }

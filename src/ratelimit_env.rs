@@ -173,6 +173,14 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     if boolean("SHADOW_MODE", get("SHADOW_MODE"))? {
         flags.args.push("--shadow-mode".into());
     }
+    if boolean(
+        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        get("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED"),
+    )? {
+        flags
+            .args
+            .push("--healthy-with-at-least-one-config-loaded".into());
+    }
     // envoyproxy/ratelimit adds no headers unless asked, and then only the RateLimit-* set.
     let headers = boolean(
         "LIMIT_RESPONSE_HEADERS_ENABLED",
@@ -548,9 +556,11 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
             let master = parts.next().unwrap_or_default().to_owned();
             let sentinels: Vec<String> = parts.map(with_scheme).collect();
             if master.is_empty() || sentinels.is_empty() {
+                // A URL with userinfo holds a password, which stays out of the logs.
+                let shown = if url.contains('@') { "(hidden)" } else { &url };
                 return Err(invalid(
                     "REDIS_URL",
-                    &url,
+                    shown,
                     "<master name>,<sentinel host:port>[,...] with REDIS_TYPE=SENTINEL",
                 ));
             }

@@ -66,21 +66,29 @@ impl Reloader {
         self.reload()
     }
 
-    /// Loads and validates the files; swaps the new config in only if all of it is valid.
-    /// Requests in flight keep the snapshot they started with.
+    /// Loads and validates the files; swaps the new config in only if all of it is valid and
+    /// it has a domain (a directory emptied by accident would lift every limit; see
+    /// [`config::empty_config_error`]). Requests in flight keep the snapshot they started with.
     pub fn reload(&self) -> Reload {
-        match config::load_path(&self.path) {
+        let loaded = config::load_path(&self.path).and_then(|loaded| {
+            match config::empty_config_error(&self.path, &loaded) {
+                Some(error) => Err(ConfigErrors(vec![error])),
+                None => Ok(loaded),
+            }
+        });
+        match loaded {
             Ok(loaded) => {
                 let domains = loaded.domains.len();
-                config::warn_about_unread(&self.path, &loaded);
+                config::warn_about_unread(&self.path);
                 self.config.store(Arc::new(loaded));
                 tracing::info!(path = %self.path.display(), domains, "config reloaded");
                 self.metrics.config_load_success.inc();
                 Reload::Swapped { domains }
             }
             Err(errors) => {
-                // Logged before it is counted, so whoever sees the count finds the reason.
-                tracing::warn!(
+                // Logged before it is counted, so whoever sees the count finds the reason. An
+                // error: the files on disk are not what is enforced.
+                tracing::error!(
                     path = %self.path.display(),
                     "config reload rejected, keeping the previous config:\n{errors}"
                 );

@@ -76,6 +76,17 @@ impl FailureMode {
     }
 }
 
+/// What one decision may change in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Effect {
+    /// Hits are taken and refunds given back, and counted in the limit metrics: a gRPC call.
+    #[default]
+    Apply,
+    /// Every check is a peek ([`Hits::Peek`], refunds too): the answer one more hit would get
+    /// now, with nothing written to the store and nothing counted in the limit metrics.
+    DryRun,
+}
+
 /// How the service answers, apart from the config and the store.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceSettings {
@@ -201,15 +212,16 @@ impl<S: Store> RateLimiter<S> {
         &self,
         request: pb::RateLimitRequest,
     ) -> Result<pb::RateLimitResponse, Status> {
-        self.decide_in(request, None, None).await
+        self.decide_in(request, None, Effect::Apply, None).await
     }
 
-    /// [`RateLimiter::decide`] with the store given until `deadline` (`None`: the store's own
-    /// timeout), tracing the store call as a child of `trace` when given.
+    /// [`RateLimiter::decide`] with `effect` and the store given until `deadline` (`None`: the
+    /// store's own timeout), tracing the store call as a child of `trace` when given.
     async fn decide_in(
         &self,
         request: pb::RateLimitRequest,
         trace: Option<&opentelemetry::Context>,
+        effect: Effect,
         deadline: Option<Instant>,
     ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
@@ -220,6 +232,11 @@ impl<S: Store> RateLimiter<S> {
         if self.settings.shadow_mode {
             for check in &mut plan.checks {
                 check.shadow = true;
+            }
+        }
+        if effect == Effect::DryRun {
+            for check in &mut plan.checks {
+                check.hits = Hits::Peek;
             }
         }
         if plan.checks.is_empty() {
@@ -243,7 +260,10 @@ impl<S: Store> RateLimiter<S> {
                 if self.store_failing.swap(false, Ordering::Relaxed) {
                     tracing::info!("store answering again");
                 }
-                self.record(&request, &plan, &outcomes);
+                // A dry run is not traffic: it counts no hits and creates no series.
+                if effect == Effect::Apply {
+                    self.record(&request, &plan, &outcomes);
+                }
                 Ok(assemble(&plan, &outcomes, self.settings.headers))
             }
             Err(error) => self.failure_answer(&plan, &error),
@@ -330,10 +350,11 @@ fn store_duration(metrics: &Metrics, store: &impl Store) -> prometheus::Histogra
 /// Something that answers `ShouldRateLimit`, without naming its store: what the admin `/json`
 /// endpoint calls.
 pub trait Decide: Send + Sync + 'static {
-    /// Answers one request.
+    /// Answers one request, changing the store only as `effect` allows.
     fn decide_request(
         &self,
         request: pb::RateLimitRequest,
+        effect: Effect,
     ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>>;
 }
 
@@ -341,11 +362,12 @@ impl<S: Store> Decide for RateLimiter<S> {
     fn decide_request(
         &self,
         request: pb::RateLimitRequest,
+        effect: Effect,
     ) -> Pin<Box<dyn Future<Output = Result<pb::RateLimitResponse, Status>> + Send + '_>> {
         // Timed like a gRPC call, so `/json` traffic shows in the request latency too.
         Box::pin(async move {
             let started = Instant::now();
-            let answer = self.decide(request).await;
+            let answer = self.decide_in(request, None, effect, None).await;
             self.metrics.observe_request(started.elapsed());
             answer
         })
@@ -361,11 +383,14 @@ impl<S: Store> pb::RateLimitService for RateLimiter<S> {
         let started = Instant::now();
         let deadline = store_deadline(started, request.metadata());
         let answer = match &self.tracer {
-            None => self.decide_in(request.into_inner(), None, deadline).await,
+            None => {
+                self.decide_in(request.into_inner(), None, Effect::Apply, deadline)
+                    .await
+            }
             Some(tracer) => {
                 let trace = tracer.request_span(request.metadata(), &request.get_ref().domain);
                 let answer = self
-                    .decide_in(request.into_inner(), Some(&trace), deadline)
+                    .decide_in(request.into_inner(), Some(&trace), Effect::Apply, deadline)
                     .await;
                 end_request_span(&trace, &answer);
                 answer

@@ -140,14 +140,30 @@ pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     }
 }
 
-/// Warns about what makes a loaded config limit less than its author may think: entries of the
-/// directory `path` that are not read (visible files without a `.yaml` or `.yml` name, and
-/// subdirectories), and a config with no domain at all, under which every request is answered
-/// OK.
-pub fn warn_about_unread(path: &Path, config: &Config) {
+/// The error for a config loaded from `path` without a single domain, if it has none: what a
+/// directory left empty by accident holds (a ConfigMap mounted empty, a bad deploy), under which
+/// every request would be answered OK. A reload refuses it and `check` fails on it; a start
+/// logs it and serves without limits, having no earlier config to keep. Wanting no limits is
+/// said with a file of only `domain: <name>`, which loads as a domain without limits.
+pub fn empty_config_error(path: &Path, config: &Config) -> Option<ConfigError> {
+    config.domains.is_empty().then(|| ConfigError {
+        file: path.display().to_string(),
+        line: 0,
+        column: 0,
+        reason: "no config file (*.yaml or *.yml with a 'domain:'): every request would be \
+                 answered OK; to run without limits on purpose, load a file of only \
+                 'domain: <name>'"
+            .to_owned(),
+    })
+}
+
+/// Warns about entries of the directory `path` that are not read (visible files without a
+/// `.yaml` or `.yml` name, and subdirectories), which make a loaded config limit less than its
+/// author may think.
+pub fn warn_about_unread(path: &Path) {
     let unread = unread_files(path);
     if !unread.is_empty() {
-        // Entry names alone: the directory is the `path` field, as in the warning below.
+        // Entry names alone: the directory is the `path` field.
         let names: Vec<String> = unread
             .iter()
             .map(|entry| {
@@ -166,12 +182,6 @@ pub fn warn_about_unread(path: &Path, config: &Config) {
             path = %path.display(),
             "not read, as only *.yaml and *.yml files at the top level are config files: {}",
             names.join(", ")
-        );
-    }
-    if config.domains.is_empty() {
-        tracing::warn!(
-            path = %path.display(),
-            "no domain loaded: every request will be answered OK"
         );
     }
 }

@@ -1483,6 +1483,20 @@ fn empty_directory_is_an_empty_config() {
     assert!(load_path(dir.path()).unwrap().domains.is_empty());
 }
 
+#[test]
+fn only_a_config_without_domains_is_an_empty_config_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = load_path(dir.path()).unwrap();
+    let error = super::empty_config_error(dir.path(), &empty).expect("an error");
+    assert_eq!(error.file, dir.path().display().to_string());
+    // A domain without descriptors is how "no limits" is said on purpose.
+    write(&dir.path().join("open.yaml"), "domain: open\n");
+    let open = load_path(dir.path()).unwrap();
+    assert_eq!(open.domains.len(), 1);
+    assert!(open.domains["open"].root.keys.is_empty());
+    assert_eq!(super::empty_config_error(dir.path(), &open), None);
+}
+
 // ---- wildcards ----
 
 #[test]

@@ -27,7 +27,7 @@ use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::health::Health;
 use crate::pb::RateLimitServiceServer;
-use crate::service::RateLimiter;
+use crate::service::{Effect, RateLimiter};
 use crate::store::Store;
 use crate::tls::TlsSettings;
 
@@ -126,6 +126,12 @@ pub struct ServeOptions {
     /// Threads that serve gRPC connections, each on a runtime of its own, connections handed to
     /// them in turn (see [`crate::lane`]); 0 serves them as tasks of the caller's runtime.
     pub lanes: usize,
+    /// Let the admin port's `/json` take and give back hits (`--admin-json-writes`); without
+    /// it every `/json` request is a dry run.
+    pub admin_json_writes: bool,
+    /// Report unhealthy, on `/healthcheck` and gRPC health, while the config has no domain
+    /// (`--healthy-with-at-least-one-config-loaded`).
+    pub health_needs_config: bool,
 }
 
 /// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
@@ -139,6 +145,8 @@ impl Default for ServeOptions {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             tls: None,
             lanes: 0,
+            admin_json_writes: false,
+            health_needs_config: false,
         }
     }
 }
@@ -177,7 +185,8 @@ pub async fn run_with<S: Store>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    let health = Arc::new(Health::new(reporter).await);
+    let required_config = options.health_needs_config.then(|| Arc::clone(&config));
+    let health = Arc::new(Health::new(reporter, required_config).await);
     let metrics = limiter.metrics();
     let store = limiter.store();
     let max_message_bytes = limiter.limits().max_message_bytes;
@@ -256,6 +265,11 @@ pub async fn run_with<S: Store>(
         metrics,
         health,
         limiter,
+        json: if options.admin_json_writes {
+            Effect::Apply
+        } else {
+            Effect::DryRun
+        },
     };
     let debug = listeners
         .debug

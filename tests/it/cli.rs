@@ -53,7 +53,7 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
 }
 
 #[test]
-fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
+fn check_warns_about_files_it_does_not_read_and_fails_a_config_without_domains() {
     // A directory written for envoyproxy/ratelimit, which reads files of any name.
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
@@ -64,7 +64,8 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
         .arg(dir.path())
         .output()
         .expect("run");
-    assert!(output.status.success(), "{output:?}");
+    // A reload would refuse this directory, so the check fails it.
+    assert!(!output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains(
@@ -74,8 +75,22 @@ fn check_warns_about_files_it_does_not_read_and_a_config_without_domains() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("no domain loaded: every request will be answered OK"),
+        stderr.contains("no config file (*.yaml or *.yml with a 'domain:')"),
         "{stderr}"
+    );
+
+    // A domain without limits says "no limits" on purpose, and passes.
+    std::fs::write(dir.path().join("open.yaml"), "domain: open\n").expect("write");
+    let output = Command::new(RLSD)
+        .arg("check")
+        .arg("--config")
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("1 domain(s) OK"),
+        "{output:?}"
     );
 }
 
@@ -312,4 +327,57 @@ fn json_logs_are_one_object_per_line_and_report_the_worker_threads() {
     assert_eq!(serving["fields"]["threads"], 3, "{stderr}");
     assert_eq!(serving["fields"]["lanes"], 3, "{stderr}");
     assert!(lines.iter().all(|l| l["level"].is_string()), "{stderr}");
+}
+
+#[test]
+fn serve_help_names_the_secret_variables_without_their_values() {
+    let output = crate::common::process::command()
+        .args(["serve", "--help"])
+        .env(
+            "RLSD_REDIS_URL",
+            "redis://default:s3cret-password@redis:6379",
+        )
+        .env("RLSD_XDS_HEADERS", "authorization:Bearer s3cret-token")
+        .env("RLSD_KEY_PREFIX", "shown-prefix")
+        .output()
+        .expect("run");
+    assert!(output.status.success(), "{output:?}");
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(!help.contains("s3cret"), "{help}");
+    for variable in ["RLSD_REDIS_URL", "RLSD_XDS_HEADERS"] {
+        assert!(help.contains(&format!("[env: {variable}]")), "{help}");
+    }
+    // Other variables keep showing what they are set to.
+    assert!(
+        help.contains("[env: RLSD_KEY_PREFIX=shown-prefix]"),
+        "{help}"
+    );
+}
+
+#[test]
+fn a_malformed_secret_flag_is_refused_without_repeating_it() {
+    let output = crate::common::process::command()
+        .args(["serve", "--config-xds", "127.0.0.1:1"])
+        .env("RLSD_XDS_HEADERS", "authorization Bearer s3cret-token")
+        .output()
+        .expect("run");
+    assert!(!output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+    assert!(stderr.contains("--xds-headers"), "{stderr}");
+}
+
+#[test]
+fn a_sentinel_redis_url_refused_as_ratelimit_reads_it_is_not_repeated() {
+    // envoyproxy/ratelimit's REDIS_URL for Sentinel is `<master>,<sentinel>...`; a lone URL with
+    // a password in it is refused, and the refusal is logged.
+    let refused = rlsd::ratelimit_env::serve_flags(|name| match name {
+        "REDIS_TYPE" => Some("SENTINEL".to_owned()),
+        "REDIS_URL" => Some("redis://:s3cret-password@sentinel:26379".to_owned()),
+        _ => None,
+    })
+    .expect_err("no master name");
+    let message = refused.to_string();
+    assert!(message.starts_with("REDIS_URL="), "{message}");
+    assert!(!message.contains("s3cret"), "{message}");
 }

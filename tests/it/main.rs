@@ -3,11 +3,13 @@
 
 mod common;
 
+mod admin_json;
 mod bad_input;
 mod behaviour;
 mod bench_client;
 mod cli;
 mod cluster;
+mod config_health;
 mod deploy;
 mod envoy_wire;
 mod grpc;

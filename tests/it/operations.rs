@@ -363,8 +363,12 @@ async fn a_stream_that_never_ends_holds_shutdown_only_for_the_grace_period() {
 #[tokio::test]
 async fn the_json_endpoint_answers_200_429_and_400() {
     let store = Arc::new(MemoryStore::with_clock(100, ManualClock::at(T0)));
-    let (_grpc, http, stop, task, _) =
-        spawn_server_with(CONFIG, store, settings(), ServeOptions::default()).await;
+    // Writes on, so the second request finds the first one's hits.
+    let options = ServeOptions {
+        admin_json_writes: true,
+        ..ServeOptions::default()
+    };
+    let (_grpc, http, stop, task, _) = spawn_server_with(CONFIG, store, settings(), options).await;
     let body = r#"{"domain":"ops","descriptors":[{"entries":[{"key":"user","value":"j"}]}],"hitsAddend":2}"#;
     let (status, answer) = common::http_post(http, "/json", body).await;
     assert_eq!(status, 200, "{answer}");

@@ -1,5 +1,5 @@
 //! Hot reload of the real binary: file changes, SIGHUP, a Kubernetes `..data` symlink swap, and
-//! a broken edit that must change nothing.
+//! a broken edit or an emptied directory that must change nothing.
 
 use crate::common;
 
@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use common::process::Rlsd;
 use common::{descriptor, http_get, request};
 use rlsd::pb::RateLimitServiceClient;
+use rlsd::pb::rate_limit_response::Code;
 use tonic::transport::Channel;
 
 fn config(limit: u32) -> String {
@@ -44,6 +45,17 @@ impl Running {
             .expect("answer")
             .into_inner();
         response.statuses[0].limit_remaining
+    }
+
+    async fn code(&self, user: &str) -> Code {
+        let response = self
+            .client()
+            .await
+            .should_rate_limit(request("live", vec![descriptor(&[("user", user)])]))
+            .await
+            .expect("answer")
+            .into_inner();
+        Code::try_from(response.overall_code).expect("a known code")
     }
 
     async fn rlconfig(&self) -> String {
@@ -161,4 +173,101 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
     std::fs::remove_dir_all(root.join("..2026_12_02_v1")).expect("cleanup");
     rlsd.wait_for_config("live.user: 9 per day").await;
+}
+
+#[tokio::test]
+async fn an_emptied_config_directory_keeps_the_last_config_enforced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("live.yaml");
+    std::fs::write(&file, config(2)).expect("write");
+    let rlsd = Running::start(dir.path(), &["--reload-interval-ms", "100"]).await;
+    assert_eq!(rlsd.remaining("ann").await, 1);
+    assert_eq!(rlsd.remaining("ann").await, 0);
+    assert_eq!(rlsd.code("ann").await, Code::OverLimit);
+
+    // The ConfigMap remounted empty, a deploy that lost its files.
+    std::fs::remove_file(&file).expect("remove");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    // Refused and counted now; swapped in, the limit would leave /rlconfig.
+    while rlsd.metric("ratelimit_service_config_load_error").await < 1.0
+        && rlsd.rlconfig().await.contains("live.user")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the empty directory was never looked at"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A few more reload intervals: the empty directory is refused once, and stays refused.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(rlsd.code("ann").await, Code::OverLimit);
+    assert!(rlsd.rlconfig().await.contains("live.user: 2 per day"));
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_error").await,
+        1.0
+    );
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_success").await,
+        1.0
+    );
+    let log = rlsd.log();
+    let line = log
+        .lines()
+        .find(|line| line.contains("config reload rejected"))
+        .unwrap_or_else(|| panic!("no rejection logged: {log}"));
+    assert!(line.contains("ERROR"), "logged as an error: {line}");
+    assert!(log.contains("no config file"), "{log}");
+
+    // Files back: the reload takes them as usual.
+    replace(&file, &config(5));
+    rlsd.wait_for_config("live.user: 5 per day").await;
+    assert_eq!(rlsd.code("ann").await, Code::Ok);
+}
+
+#[tokio::test]
+async fn a_domain_without_descriptors_lifts_the_limits_on_purpose() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("live.yaml");
+    std::fs::write(&file, config(1)).expect("write");
+    let rlsd = Running::start(dir.path(), &["--reload-interval-ms", "100"]).await;
+    assert_eq!(rlsd.remaining("ann").await, 0);
+    assert_eq!(rlsd.code("ann").await, Code::OverLimit);
+
+    replace(&file, "domain: live\n");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rlsd.rlconfig().await.contains("live.user") {
+        assert!(Instant::now() < deadline, "the edit was never loaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(rlsd.code("ann").await, Code::Ok);
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_error").await,
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn a_start_with_an_empty_directory_serves_without_limits_and_counts_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rlsd = Running::start(dir.path(), &["--reload-interval-ms", "100"]).await;
+    // As envoyproxy/ratelimit, rlsd starts; it has no earlier config to keep.
+    assert_eq!(rlsd.code("ann").await, Code::Ok);
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_error").await,
+        1.0
+    );
+    assert_eq!(
+        rlsd.metric("ratelimit_service_config_load_success").await,
+        0.0
+    );
+    let log = rlsd.log();
+    let line = log
+        .lines()
+        .find(|line| line.contains("no config file"))
+        .unwrap_or_else(|| panic!("the empty directory is not logged: {log}"));
+    assert!(line.contains("ERROR"), "logged as an error: {line}");
+
+    replace(&dir.path().join("live.yaml"), &config(3));
+    rlsd.wait_for_config("live.user: 3 per day").await;
+    assert_eq!(rlsd.remaining("ann").await, 2);
 }

@@ -664,3 +664,31 @@ fn reconnects_back_off_while_the_server_is_away_and_start_over_after_a_config() 
         rlsd.log()
     );
 }
+
+#[test]
+fn health_that_needs_a_config_waits_for_a_pushed_domain_and_turns_when_all_are_dropped() {
+    use crate::config_health::wait_for_health;
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    let addr = server.addr.to_string();
+    let rlsd = Rlsd::serve([
+        "--config-xds",
+        &addr,
+        "--xds-force-start",
+        "--healthy-with-at-least-one-config-loaded",
+    ]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(wait_for_health(&rlsd, false));
+    server.push("1", limits("late", 1, RateLimitUnit::Minute));
+    server.wait_for("ACK of version 1", is_ack("1"));
+    runtime.block_on(wait_for_health(&rlsd, true));
+    // An empty push is the control plane saying "no limits": every domain goes, as in
+    // envoyproxy/ratelimit, and health turns with it.
+    server.push("2", Vec::new());
+    server.wait_for("ACK of version 2", is_ack("2"));
+    runtime.block_on(wait_for_health(&rlsd, false));
+    assert_eq!(codes(&rlsd, "late", 2), [OK, OK]);
+    server.stop();
+}
