@@ -277,9 +277,18 @@ pub struct ServeArgs {
     /// `failure_mode_deny` decides), `allow` or `deny`.
     #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
     pub failure_mode: FailureMode,
-    /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
+    /// Run every limit in shadow mode: evaluated, counted and reported (an over limit's status
+    /// stays OVER_LIMIT), while every answer is OK.
     #[arg(long, env = "RLSD_SHADOW_MODE")]
     pub shadow_mode: bool,
+    /// Run every limit in quota mode: a request is denied by its quotas only when every one of
+    /// them is over (envoyproxy/ratelimit's QUOTA_MODE).
+    #[arg(long, env = "RLSD_QUOTA_MODE")]
+    pub quota_mode: bool,
+    /// Send envoyproxy/ratelimit's dynamic metadata with each answer: the domain, the request's
+    /// descriptors, and the merged `metadata:` of the descriptors that passed.
+    #[arg(long, env = "RLSD_RESPONSE_DYNAMIC_METADATA")]
+    pub response_dynamic_metadata: bool,
     /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a fresh
     /// 2 MiB page stalls the thread that touches it, for milliseconds in some VMs).
     #[arg(long, env = "RLSD_TRANSPARENT_HUGE_PAGES")]
@@ -490,6 +499,8 @@ impl ServeArgs {
             headers: self.headers,
             failure_mode: self.failure_mode,
             shadow_mode: self.shadow_mode,
+            quota_mode: self.quota_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
             limits: RequestLimits {
                 max_descriptors: self.max_descriptors,
                 max_entries: self.max_entries,
