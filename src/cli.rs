@@ -159,6 +159,10 @@ pub struct ServeArgs {
         requires = "xds_tls"
     )]
     pub xds_tls_san: Option<String>,
+    /// Largest xDS response accepted, in bytes; a larger one fails the stream, which is then
+    /// reopened.
+    #[arg(long, env = "RLSD_XDS_MAX_MESSAGE_BYTES", default_value_t = crate::xds::DEFAULT_MAX_RESPONSE_BYTES, value_parser = at_least_one)]
+    pub xds_max_message_bytes: usize,
     /// With `--config-xds`: serve at once, every domain unknown, instead of waiting for the
     /// first config to arrive before opening any port.
     #[arg(long, env = "RLSD_XDS_FORCE_START", requires = "config_xds")]
@@ -308,6 +312,10 @@ pub struct ServeArgs {
     /// (a health `Watch` stream never does) before rlsd exits anyway.
     #[arg(long, env = "RLSD_SHUTDOWN_GRACE_SECONDS", default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64())]
     pub shutdown_grace_seconds: f64,
+    /// Record ShouldRateLimit latency in milliseconds, as
+    /// `ratelimit_service_should_rate_limit_duration_milliseconds`, instead of in seconds.
+    #[arg(long, env = "RLSD_LATENCY_MILLISECONDS")]
+    pub latency_milliseconds: bool,
     /// Usage ratio (0 to 1) above which allowed hits also count in `near_limit`.
     #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO, value_parser = ratio)]
     pub near_limit_ratio: f64,
@@ -549,6 +557,7 @@ impl ServeArgs {
                 key: self.xds_tls_key.clone(),
                 san: self.xds_tls_san.clone(),
             }),
+            max_response_bytes: self.xds_max_message_bytes,
         })
     }
 

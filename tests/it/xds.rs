@@ -664,3 +664,32 @@ fn reconnects_back_off_while_the_server_is_away_and_start_over_after_a_config() 
         rlsd.log()
     );
 }
+
+/// `--xds-max-message-bytes` (envoyproxy/ratelimit's `XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`): a
+/// response larger than it fails the stream and configures nothing; the default takes it.
+#[test]
+fn a_response_over_the_message_size_configures_nothing() {
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    server.push("1", limits("sized", 1, RateLimitUnit::Minute));
+    let size = response("1", limits("sized", 1, RateLimitUnit::Minute)).encoded_len();
+    let addr = server.addr.to_string();
+    let small = (size - 1).to_string();
+    let refusing = Rlsd::serve([
+        "--config-xds",
+        &addr,
+        "--xds-force-start",
+        "--xds-max-message-bytes",
+        &small,
+    ]);
+    wait_for_log(&refusing, "xDS stream lost");
+    assert!(
+        refusing.log().contains("message length too large"),
+        "{}",
+        refusing.log()
+    );
+    assert_eq!(codes(&refusing, "sized", 2), [OK, OK], "not configured");
+    let fitting = size.to_string();
+    let taking = Rlsd::serve(["--config-xds", &addr, "--xds-max-message-bytes", &fitting]);
+    assert_eq!(codes(&taking, "sized", 2), [OK, OVER_LIMIT]);
+    server.stop();
+}
