@@ -318,7 +318,13 @@ impl<S: Store> RateLimiter<S> {
             })
             .collect();
         Ok(pb::RateLimitResponse {
-            overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+            // `--shadow-mode` denies nothing, whatever the statuses say.
+            overall_code: if over && !self.settings.shadow_mode {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            }
+            .into(),
             statuses,
             ..Default::default()
         })

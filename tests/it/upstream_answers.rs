@@ -13,7 +13,7 @@ use rlsd::clock::ManualClock;
 use rlsd::pb::rate_limit_descriptor::RateLimitOverride;
 use rlsd::pb::rate_limit_response::Code;
 use rlsd::pb::{RateLimitRequest, RateLimitResponse, RateLimitServiceClient, RateLimitUnit};
-use rlsd::service::ServiceSettings;
+use rlsd::service::{FailureMode, ServiceSettings};
 use rlsd::store::{MemoryStore, RedisSettings, RedisStore};
 use rlsd_testkit::redis::RedisServer;
 use serde_json::json;
@@ -55,7 +55,7 @@ struct Server {
     grpc: SocketAddr,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
-    _redis: Option<RedisServer>,
+    redis: Option<RedisServer>,
 }
 
 impl Server {
@@ -83,7 +83,7 @@ impl Server {
             grpc,
             stop,
             task,
-            _redis: redis,
+            redis,
         }
     }
 
@@ -387,6 +387,23 @@ async fn dynamic_metadata_as_envoyproxy_ratelimit_sends_it(backend: Backend) {
         .ask(request("answers", vec![descriptor(&[("user", "dan")])]))
         .await;
     assert_eq!(response.dynamic_metadata, None, "{backend:?}");
+    server.stop().await;
+}
+
+/// `--shadow-mode` with `--failure-mode deny`: a store that fails marks every limit over, and
+/// still denies nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_shadow_mode_denies_nothing_when_the_store_fails() {
+    let settings = ServiceSettings {
+        shadow_mode: true,
+        failure_mode: FailureMode::Deny,
+        ..Default::default()
+    };
+    let mut server = Server::start(Backend::Redis, settings).await;
+    let ask = || request("answers", vec![descriptor(&[("user", "eve")])]);
+    assert_eq!(codes(&server.ask(ask()).await), (Pass, vec![Pass]));
+    server.redis.as_mut().expect("a redis").kill();
+    assert_eq!(codes(&server.ask(ask()).await), (Pass, vec![Over]));
     server.stop().await;
 }
 
