@@ -589,7 +589,7 @@ fn enforce(plan: &mut Plan<'_>, settings: &ServiceSettings) {
         check.shadow |= settings.shadow_mode;
         check.quota_mode |= settings.quota_mode;
     }
-    let open_quota = (settings.quota_mode && plan.decisions.contains(&Decision::NoLimit))
+    let open_quota = quota_without_limit(plan, settings)
         || plan
             .checks
             .iter()
@@ -599,6 +599,12 @@ fn enforce(plan: &mut Plan<'_>, settings: &ServiceSettings) {
             check.shadow = true;
         }
     }
+}
+
+/// Whether, under `--quota-mode`, a descriptor no limit applies to is among the request's
+/// quotas: one that always has room, as envoyproxy/ratelimit counts it.
+fn quota_without_limit(plan: &Plan<'_>, settings: &ServiceSettings) -> bool {
+    settings.quota_mode && plan.decisions.contains(&Decision::NoLimit)
 }
 
 /// How each check bears on the answer, as envoyproxy/ratelimit decides it: a limit over in the
@@ -621,13 +627,13 @@ impl<'p, 'c> Judged<'p, 'c> {
             quotas_over: false,
             shadow_mode: settings.shadow_mode,
         };
-        // `enforce` made every quota a shadow check when one of them has room for certain.
+        // A quota in the config's shadow mode is never over, so it has room.
         let mut quotas = (0..outcomes.len())
             .filter(|&i| plan.checks[i].quota_mode)
             .peekable();
-        let open_quota = settings.quota_mode && plan.decisions.contains(&Decision::NoLimit);
-        judged.quotas_over =
-            !open_quota && quotas.peek().is_some() && quotas.all(|i| judged.over(i));
+        judged.quotas_over = !quota_without_limit(plan, settings)
+            && quotas.peek().is_some()
+            && quotas.all(|i| judged.over(i));
         judged
     }
 
