@@ -167,6 +167,10 @@ pub struct ServeArgs {
         requires = "xds_tls"
     )]
     pub xds_tls_san: Option<String>,
+    /// Largest xDS response accepted, in bytes; a larger one fails the stream, which is then
+    /// reopened.
+    #[arg(long, env = "RLSD_XDS_MAX_MESSAGE_BYTES", default_value_t = crate::xds::DEFAULT_MAX_RESPONSE_BYTES, value_parser = at_least_one)]
+    pub xds_max_message_bytes: usize,
     /// With `--config-xds`: serve at once, every domain unknown, instead of waiting for the
     /// first config to arrive before opening any port.
     #[arg(long, env = "RLSD_XDS_FORCE_START", requires = "config_xds")]
@@ -301,9 +305,18 @@ pub struct ServeArgs {
     /// `failure_mode_deny` decides), `allow` or `deny`.
     #[arg(long, env = "RLSD_FAILURE_MODE", value_enum, default_value_t = FailureMode::Error)]
     pub failure_mode: FailureMode,
-    /// Run every limit in shadow mode: evaluated, counted and reported, never denying.
+    /// Run every limit in shadow mode: evaluated, counted and reported (an over limit's status
+    /// stays OVER_LIMIT), while every answer is OK.
     #[arg(long, env = "RLSD_SHADOW_MODE")]
     pub shadow_mode: bool,
+    /// Run every limit in quota mode: a request is denied by its quotas only when every one of
+    /// them is over (envoyproxy/ratelimit's QUOTA_MODE).
+    #[arg(long, env = "RLSD_QUOTA_MODE")]
+    pub quota_mode: bool,
+    /// Send envoyproxy/ratelimit's dynamic metadata with each answer: the domain, the request's
+    /// descriptors, and the merged `metadata:` of the descriptors that passed.
+    #[arg(long, env = "RLSD_RESPONSE_DYNAMIC_METADATA")]
+    pub response_dynamic_metadata: bool,
     /// Keep transparent huge pages on for rlsd's memory (off by default: faulting in a fresh
     /// 2 MiB page stalls the thread that touches it, for milliseconds in some VMs).
     #[arg(long, env = "RLSD_TRANSPARENT_HUGE_PAGES")]
@@ -323,6 +336,10 @@ pub struct ServeArgs {
     /// (a health `Watch` stream never does) before rlsd exits anyway.
     #[arg(long, env = "RLSD_SHUTDOWN_GRACE_SECONDS", default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64())]
     pub shutdown_grace_seconds: f64,
+    /// Record ShouldRateLimit latency in milliseconds, as
+    /// `ratelimit_service_should_rate_limit_duration_milliseconds`, instead of in seconds.
+    #[arg(long, env = "RLSD_LATENCY_MILLISECONDS")]
+    pub latency_milliseconds: bool,
     /// Usage ratio (0 to 1) above which allowed hits also count in `near_limit`.
     #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO, value_parser = ratio)]
     pub near_limit_ratio: f64,
@@ -516,6 +533,8 @@ impl ServeArgs {
             headers: self.headers,
             failure_mode: self.failure_mode,
             shadow_mode: self.shadow_mode,
+            quota_mode: self.quota_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
             limits: RequestLimits {
                 max_descriptors: self.max_descriptors,
                 max_entries: self.max_entries,
@@ -564,6 +583,7 @@ impl ServeArgs {
                 key: self.xds_tls_key.clone(),
                 san: self.xds_tls_san.clone(),
             }),
+            max_response_bytes: self.xds_max_message_bytes,
         })
     }
 

@@ -8,7 +8,7 @@ use anyhow::Context;
 use arc_swap::ArcSwap;
 use rlsd::cli::{Cli, Command, ServeArgs};
 use rlsd::config;
-use rlsd::metrics::Metrics;
+use rlsd::metrics::{LatencyUnit, Metrics};
 use rlsd::reload::Reloader;
 use rlsd::server::{self, Listeners};
 use rlsd::service::RateLimiter;
@@ -111,7 +111,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let config = Arc::new(ArcSwap::from_pointee(loaded));
-        let metrics = Arc::new(Metrics::new(args.near_limit_ratio));
+        let latency_unit = if args.latency_milliseconds {
+            LatencyUnit::Milliseconds
+        } else {
+            LatencyUnit::Seconds
+        };
+        let metrics = Arc::new(Metrics::with_latency_unit(args.near_limit_ratio, latency_unit));
         if let Some(xds) = args.xds_settings() {
             XdsClient::start(xds, args.xds_force_start, Arc::clone(&config), Arc::clone(&metrics))
                 .await?;

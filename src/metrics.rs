@@ -16,6 +16,27 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.000_75, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 ];
 
+/// The unit of the request latency histogram.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LatencyUnit {
+    /// `ratelimit_service_should_rate_limit_duration_seconds`, Prometheus's base unit.
+    #[default]
+    Seconds,
+    /// `ratelimit_service_should_rate_limit_duration_milliseconds`, for dashboards kept in
+    /// milliseconds (envoyproxy/ratelimit's `PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS`).
+    Milliseconds,
+}
+
+impl LatencyUnit {
+    /// Units in a second.
+    fn per_second(self) -> f64 {
+        match self {
+            LatencyUnit::Seconds => 1.0,
+            LatencyUnit::Milliseconds => 1_000.0,
+        }
+    }
+}
+
 /// Usage ratio above which allowed hits also count as `near_limit` (envoyproxy/ratelimit's 0.8).
 pub const DEFAULT_NEAR_LIMIT_RATIO: f64 = 0.8;
 
@@ -56,8 +77,9 @@ pub struct Metrics {
     /// Cached handles by domain, then path: label lookups (and allocations) stay off the
     /// request path once a limit has been seen.
     limits: RwLock<LimitMap<LimitMap<Arc<LimitCounters>>>>,
-    /// `ShouldRateLimit` latency, as the server measures it.
+    /// `ShouldRateLimit` latency, as the server measures it, in `latency_unit`.
     pub request_duration: Histogram,
+    latency_unit: LatencyUnit,
     /// Store call latency by store.
     pub store_duration: HistogramVec,
     /// Store failures by kind (`unavailable`, `timeout`, `full`, ...).
@@ -109,17 +131,26 @@ fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
 impl Metrics {
     /// A fresh registry with every metric, counting `near_limit` above `near_limit_ratio`.
     pub fn new(near_limit_ratio: f64) -> Metrics {
+        Metrics::with_latency_unit(near_limit_ratio, LatencyUnit::Seconds)
+    }
+
+    /// [`Metrics::new`], with the request latency histogram in `latency_unit`.
+    pub fn with_latency_unit(near_limit_ratio: f64, latency_unit: LatencyUnit) -> Metrics {
         let registry = Registry::new();
+        let latency_name = match latency_unit {
+            LatencyUnit::Seconds => "ratelimit_service_should_rate_limit_duration_seconds",
+            LatencyUnit::Milliseconds => {
+                "ratelimit_service_should_rate_limit_duration_milliseconds"
+            }
+        };
+        let scale = latency_unit.per_second();
         let per_limit = ["domain", "descriptor"];
         let r = &registry;
         let request_duration = register(
             r,
             Histogram::with_opts(
-                HistogramOpts::new(
-                    "ratelimit_service_should_rate_limit_duration_seconds",
-                    "ShouldRateLimit latency inside rlsd",
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
+                HistogramOpts::new(latency_name, "ShouldRateLimit latency inside rlsd")
+                    .buckets(LATENCY_BUCKETS.iter().map(|bound| bound * scale).collect()),
             )
             .unwrap_or_else(|error| unreachable!("histogram is well-formed: {error}")),
         );
@@ -166,6 +197,7 @@ impl Metrics {
             ),
             limits: RwLock::default(),
             request_duration,
+            latency_unit,
             store_duration,
             store_errors: counter_vec(
                 r,
@@ -268,7 +300,8 @@ impl Metrics {
 
     /// Records a request's latency.
     pub fn observe_request(&self, took: Duration) {
-        self.request_duration.observe(took.as_secs_f64());
+        self.request_duration
+            .observe(took.as_secs_f64() * self.latency_unit.per_second());
     }
 
     /// The text exposition of every metric.

@@ -5,7 +5,9 @@
 //! ["/bin/ratelimit"]`, `RUNTIME_ROOT`, `REDIS_URL`, ...) runs rlsd with the same config
 //! directory, Redis and ports. A variable that would change what rlsd answers and that it cannot
 //! honour stops the start with an error naming it; one that only tunes envoyproxy/ratelimit's
-//! own machinery is ignored, with a note where an operator would expect an effect.
+//! own machinery is ignored, and named with the reason in one start-up line ([`IGNORED`]).
+//! Every variable of theirs is one or the other: `tests/fixtures/envoyproxy-ratelimit/` holds
+//! their list, and a test checks each is read here or in [`IGNORED`].
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -54,13 +56,129 @@ impl ServeFlags {
     }
 }
 
+/// envoyproxy/ratelimit's variables that tune only its own machinery, which rlsd does not have
+/// (or has always on), each group with the reason; named in one line at start when set.
+pub const IGNORED: &[(&[&str], &str)] = &[
+    (
+        &["GRPC_MAX_CONNECTION_AGE", "GRPC_MAX_CONNECTION_AGE_GRACE"],
+        "rlsd closes no connection for its age",
+    ),
+    (
+        &[
+            "USE_DOG_STATSD",
+            "USE_DOG_STATSD_MOGRIFIERS",
+            "STATSD_HOST",
+            "STATSD_PORT",
+            "STATS_FLUSH_INTERVAL",
+        ],
+        "rlsd sends no statsd; Prometheus reads its metrics from /metrics when it scrapes",
+    ),
+    (
+        &["EXTRA_TAGS"],
+        "rlsd's metrics carry no extra labels; add them in the scrape config",
+    ),
+    (
+        &["EXPIRATION_JITTER_MAX_SECONDS"],
+        "rlsd's keys expire at their window's end, without jitter",
+    ),
+    (
+        &["LOCAL_CACHE_SIZE_IN_BYTES"],
+        "rlsd's over-limit cache is on by default and sized in entries (RLSD_OVER_LIMIT_CACHE)",
+    ),
+    (
+        &["STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"],
+        "rlsd never counts a denied request against any limit",
+    ),
+    (
+        &[
+            "REDIS_POOL_SIZE",
+            "REDIS_POOL_ON_EMPTY_BEHAVIOR",
+            "REDIS_PIPELINE_WINDOW",
+            "REDIS_PIPELINE_LIMIT",
+        ],
+        "rlsd keeps one multiplexed Redis connection per serving thread and batches requests \
+         itself (RLSD_REDIS_MAX_BATCH, RLSD_REDIS_PIPELINES)",
+    ),
+    (
+        &["REDIS_CLUSTER_PIPELINE_PARALLELISM"],
+        "rlsd sends a request's Redis Cluster slots in parallel",
+    ),
+    (
+        &["REDIS_HEALTH_CHECK_ACTIVE_CONNECTION"],
+        "rlsd's health always follows Redis (a PING every second)",
+    ),
+    (
+        &[
+            "REDIS_STARTUP_INITIAL_INTERVAL",
+            "REDIS_STARTUP_MAX_INTERVAL",
+            "REDIS_STARTUP_MAX_ELAPSED_TIME",
+        ],
+        "rlsd starts without waiting for Redis and connects on first use (a Redis Cluster must \
+         answer at start)",
+    ),
+    (
+        &[
+            "REDIS_PERSECOND_SOCKET_TYPE",
+            "REDIS_PERSECOND_TYPE",
+            "REDIS_PERSECOND_URL",
+            "REDIS_PERSECOND_POOL_SIZE",
+            "REDIS_PERSECOND_AUTH",
+            "REDIS_PERSECOND_TLS",
+            "REDIS_PERSECOND_SENTINEL_AUTH",
+            "REDIS_PERSECOND_PIPELINE_WINDOW",
+            "REDIS_PERSECOND_PIPELINE_LIMIT",
+            "REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM",
+            "REDIS_PERSECOND_TIMEOUT",
+            "REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR",
+        ],
+        "REDIS_URL's Redis holds every limit, per-second ones too",
+    ),
+    (
+        &[
+            "MEMCACHE_HOST_PORT",
+            "MEMCACHE_MAX_IDLE_CONNS",
+            "MEMCACHE_SRV",
+            "MEMCACHE_SRV_REFRESH",
+            "MEMCACHE_TLS",
+            "MEMCACHE_TLS_CLIENT_CERT",
+            "MEMCACHE_TLS_CLIENT_KEY",
+            "MEMCACHE_TLS_CACERT",
+            "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION",
+        ],
+        "they apply only with BACKEND_TYPE=memcache, which rlsd refuses",
+    ),
+];
+
 /// Reads envoyproxy/ratelimit's variables through `var` and returns the `rlsd serve` flags that
-/// mean the same. An empty variable counts as unset (theirs refuses some empty values; taking
-/// the default is the kinder reading).
+/// mean the same, with a note naming the [`IGNORED`] ones that are set. An empty variable counts
+/// as unset (theirs refuses some empty values; taking the default is the kinder reading).
 ///
 /// # Errors
 /// When a variable asks for something rlsd does not do, or has a malformed value.
 pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, EnvError> {
+    let mut flags = mapped_flags(&var)?;
+    flags.notes.extend(ignored_note(&var));
+    Ok(flags)
+}
+
+/// One line naming every [`IGNORED`] variable that is set, each group with its reason.
+fn ignored_note(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    let groups: Vec<String> = IGNORED
+        .iter()
+        .filter_map(|(variables, reason)| {
+            let set: Vec<&str> = variables
+                .iter()
+                .copied()
+                .filter(|variable| var(variable).is_some_and(|value| !value.is_empty()))
+                .collect();
+            (!set.is_empty()).then(|| format!("{}, because {reason}", set.join(", ")))
+        })
+        .collect();
+    (!groups.is_empty()).then(|| format!("ignored: {}", groups.join("; ")))
+}
+
+/// The flags and notes of every variable rlsd reads.
+fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, EnvError> {
     let get = |name: &str| var(name).filter(|value| !value.is_empty());
     let mut flags = ServeFlags::default();
 
@@ -86,6 +204,9 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
             return Err(invalid("CONFIG_TYPE", &kind, "FILE or GRPC_XDS_SOTW"));
         }
     }
+    // rlsd reloads when a config file's content changes, which watching the root or the
+    // directory alone both see.
+    boolean("RUNTIME_WATCH_ROOT", get("RUNTIME_WATCH_ROOT"))?;
     // rlsd always skips dotfiles (Kubernetes keeps a ConfigMap's real files under `..data`).
     if get("RUNTIME_IGNOREDOTFILES").is_some()
         && !boolean("RUNTIME_IGNOREDOTFILES", get("RUNTIME_IGNOREDOTFILES"))?
@@ -170,8 +291,14 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
     if let Some(prefix) = get("CACHE_KEY_PREFIX") {
         flags.flag("key-prefix", prefix);
     }
-    if boolean("SHADOW_MODE", get("SHADOW_MODE"))? {
-        flags.args.push("--shadow-mode".into());
+    for (variable, flag) in [
+        ("SHADOW_MODE", "--shadow-mode"),
+        ("QUOTA_MODE", "--quota-mode"),
+        ("RESPONSE_DYNAMIC_METADATA", "--response-dynamic-metadata"),
+    ] {
+        if boolean(variable, get(variable))? {
+            flags.args.push(flag.into());
+        }
     }
     if boolean(
         "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
@@ -236,13 +363,28 @@ pub fn serve_flags(var: impl Fn(&str) -> Option<String>) -> Result<ServeFlags, E
         }
     }
 
+    // Theirs then sends and serves no metrics at all.
+    let stats = !boolean("DISABLE_STATS", get("DISABLE_STATS"))?;
+    if !stats {
+        flags.notes.push(
+            "DISABLE_STATS: no metrics port is opened; /metrics on the HTTP and debug ports \
+             still answers"
+                .into(),
+        );
+    }
     // Theirs sends statsd unless told not to.
-    if get("USE_STATSD").is_none() || boolean("USE_STATSD", get("USE_STATSD"))? {
+    if stats && (get("USE_STATSD").is_none() || boolean("USE_STATSD", get("USE_STATSD"))?) {
         flags
             .notes
             .push("USE_STATSD: rlsd sends no statsd; Prometheus metrics are on /metrics".into());
     }
-    if boolean("USE_PROMETHEUS", get("USE_PROMETHEUS"))? {
+    if boolean(
+        "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+        get("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS"),
+    )? {
+        flags.args.push("--latency-milliseconds".into());
+    }
+    if stats && boolean("USE_PROMETHEUS", get("USE_PROMETHEUS"))? {
         let addr = get("PROMETHEUS_ADDR").unwrap_or(":9090".into());
         let listen = go_listen_addr(&addr)
             .ok_or_else(|| invalid("PROMETHEUS_ADDR", &addr, "[IP]:port, such as :9090"))?;
@@ -382,6 +524,15 @@ fn xds(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Result<
             }
         }
     }
+    let variable = "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES";
+    if let Some(bytes) = get(variable) {
+        // 0 is gRPC's own default in theirs; rlsd's own default stands then.
+        match bytes.parse::<u32>() {
+            Ok(0) => {}
+            Ok(bytes) => flags.flag("xds-max-message-bytes", bytes.to_string()),
+            Err(_) => return Err(invalid(variable, &bytes, "a number of bytes")),
+        }
+    }
     if boolean(
         "FORCE_START_WITHOUT_INITIAL_CONFIG",
         get("FORCE_START_WITHOUT_INITIAL_CONFIG"),
@@ -482,6 +633,19 @@ fn redis(get: &impl Fn(&str) -> Option<String>, flags: &mut ServeFlags) -> Resul
         flags.notes.push(
             "REDIS_PERSECOND: per-second limits are kept in REDIS_URL's Redis with the rest".into(),
         );
+    }
+    if let Some(text) = get("REDIS_TIMEOUT") {
+        let timeout = go_duration(&text)
+            .ok_or_else(|| invalid("REDIS_TIMEOUT", &text, "a duration such as 10s or 50ms"))?;
+        if timeout.is_zero() {
+            // Theirs then waits without end; rlsd always bounds a Redis call.
+            flags
+                .notes
+                .push("REDIS_TIMEOUT=0 (no timeout): rlsd keeps its Redis command timeout".into());
+        } else {
+            let ms = timeout.as_micros().div_ceil(1000).max(1);
+            flags.flag("redis-command-timeout-ms", ms.to_string());
+        }
     }
     let userinfo = auth.as_deref().map(userinfo).unwrap_or_default();
     let kind = get("REDIS_TYPE").unwrap_or("SINGLE".into());

@@ -21,7 +21,7 @@ use crate::pb;
 use crate::pb::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
 };
-use crate::store::{Outcome, Store, StoreError, quotas_pass};
+use crate::store::{Outcome, Store, StoreError};
 use crate::telemetry::RequestTracer;
 
 /// Which rate limit headers rlsd adds to responses.
@@ -96,9 +96,16 @@ pub struct ServiceSettings {
     pub headers: HeaderStyle,
     /// The answer when the store fails.
     pub failure_mode: FailureMode,
-    /// Every limit in shadow mode: evaluated, counted and reported, never denying (a dry run
-    /// of a whole config).
+    /// Every limit in shadow mode (envoyproxy/ratelimit's `SHADOW_MODE`): evaluated, counted and
+    /// reported as it stands (an over limit's status stays OVER_LIMIT), while the answer is
+    /// always OK: a dry run of a whole config.
     pub shadow_mode: bool,
+    /// Every limit in quota mode (envoyproxy/ratelimit's `QUOTA_MODE`): the quotas of a request
+    /// deny it only when every one of them is over.
+    pub quota_mode: bool,
+    /// Send envoyproxy/ratelimit's `dynamic_metadata` (`RESPONSE_DYNAMIC_METADATA`): the domain,
+    /// the request's descriptors, and the merged `metadata:` of those that passed.
+    pub dynamic_metadata: bool,
     /// Bounds on a request's size; anything over is INVALID_ARGUMENT.
     pub limits: RequestLimits,
 }
@@ -229,18 +236,14 @@ impl<S: Store> RateLimiter<S> {
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let mut plan = engine::plan(&config, &request, &self.settings.keys);
-        if self.settings.shadow_mode {
-            for check in &mut plan.checks {
-                check.shadow = true;
-            }
-        }
+        enforce(&mut plan, &self.settings);
         if effect == Effect::DryRun {
             for check in &mut plan.checks {
                 check.hits = Hits::Peek;
             }
         }
         if plan.checks.is_empty() {
-            return Ok(assemble(&plan, &[], self.settings.headers));
+            return Ok(assemble(&request, &plan, &[], &self.settings));
         }
         let store_trace = trace.zip(self.tracer.as_ref()).map(|(parent, tracer)| {
             tracer.store_span(parent, self.store.name(), plan.checks.len())
@@ -264,7 +267,7 @@ impl<S: Store> RateLimiter<S> {
                 if effect == Effect::Apply {
                     self.record(&request, &plan, &outcomes);
                 }
-                Ok(assemble(&plan, &outcomes, self.settings.headers))
+                Ok(assemble(&request, &plan, &outcomes, &self.settings))
             }
             Err(error) => self.failure_answer(&plan, &error),
         }
@@ -287,7 +290,8 @@ impl<S: Store> RateLimiter<S> {
                 LimitResult {
                     hits,
                     allowed: outcome.verdict.allowed,
-                    shadow: check.shadow,
+                    // Not `check.shadow`, which also marks quota checks that cannot deny.
+                    shadow: planned.limit.shadow || self.settings.shadow_mode,
                     // `remaining` counts against the burst for token bucket and GCRA.
                     limit: check.params.capacity(),
                     remaining: outcome.verdict.remaining,
@@ -336,7 +340,13 @@ impl<S: Store> RateLimiter<S> {
             })
             .collect();
         Ok(pb::RateLimitResponse {
-            overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+            // `--shadow-mode` denies nothing, whatever the statuses say.
+            overall_code: if over && !self.settings.shadow_mode {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            }
+            .into(),
             statuses,
             ..Default::default()
         })
@@ -627,17 +637,88 @@ struct Reported<'c> {
     name: Option<&'c str>,
 }
 
+/// Sets what the store may deny on. `--shadow-mode` and `--quota-mode` apply to every check. A
+/// request's quotas deny only when every one is over, so when one cannot be (a shadow quota
+/// limit, or under `--quota-mode` a descriptor no limit applies to, which envoyproxy/ratelimit
+/// counts as a quota with room), none of them denies and the store takes them as shadow checks.
+fn enforce(plan: &mut Plan<'_>, settings: &ServiceSettings) {
+    for check in &mut plan.checks {
+        check.shadow |= settings.shadow_mode;
+        check.quota_mode |= settings.quota_mode;
+    }
+    let open_quota = quota_without_limit(plan, settings)
+        || plan
+            .checks
+            .iter()
+            .any(|check| check.quota_mode && check.shadow);
+    if open_quota {
+        for check in plan.checks.iter_mut().filter(|check| check.quota_mode) {
+            check.shadow = true;
+        }
+    }
+}
+
+/// Whether, under `--quota-mode`, a descriptor no limit applies to is among the request's
+/// quotas: one that always has room, as envoyproxy/ratelimit counts it.
+fn quota_without_limit(plan: &Plan<'_>, settings: &ServiceSettings) -> bool {
+    settings.quota_mode && plan.decisions.contains(&Decision::NoLimit)
+}
+
+/// How each check bears on the answer, as envoyproxy/ratelimit decides it: a limit over in the
+/// config's shadow mode reports OK; any other over limit reports OVER_LIMIT, and denies the
+/// request unless it is a quota while some quota has room, or `--shadow-mode` is on.
+struct Judged<'p, 'c> {
+    plan: &'p Plan<'c>,
+    outcomes: &'p [Outcome],
+    /// Every quota of the request is over.
+    quotas_over: bool,
+    /// `--shadow-mode`: nothing denies.
+    shadow_mode: bool,
+}
+
+impl<'p, 'c> Judged<'p, 'c> {
+    fn new(plan: &'p Plan<'c>, outcomes: &'p [Outcome], settings: &ServiceSettings) -> Self {
+        let mut judged = Judged {
+            plan,
+            outcomes,
+            quotas_over: false,
+            shadow_mode: settings.shadow_mode,
+        };
+        // A quota in the config's shadow mode is never over, so it has room.
+        let mut quotas = (0..outcomes.len())
+            .filter(|&i| plan.checks[i].quota_mode)
+            .peekable();
+        judged.quotas_over = !quota_without_limit(plan, settings)
+            && quotas.peek().is_some()
+            && quotas.all(|i| judged.over(i));
+        judged
+    }
+
+    /// Over its limit, and reported as such (a limit in shadow mode in the config reports OK).
+    fn over(&self, i: usize) -> bool {
+        !self.outcomes[i].verdict.allowed && !self.plan.limits[i].limit.shadow
+    }
+
+    /// Over its limit, and denying the request.
+    fn denies(&self, i: usize) -> bool {
+        self.over(i) && !self.shadow_mode && (!self.plan.checks[i].quota_mode || self.quotas_over)
+    }
+}
+
 /// Builds the wire response from the plan and the store's outcomes.
-fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::RateLimitResponse {
+fn assemble(
+    request: &engine::Request,
+    plan: &Plan<'_>,
+    outcomes: &[Outcome],
+    settings: &ServiceSettings,
+) -> pb::RateLimitResponse {
+    let judged = Judged::new(plan, outcomes, settings);
     let mut statuses = Vec::with_capacity(plan.decisions.len());
     let mut limited = Vec::with_capacity(plan.decisions.len());
-    // Over quota-mode limits deny only together; in a request they let through, they are
-    // reported as shadow limits are.
-    let quotas_pass = quotas_pass(&plan.checks, outcomes);
     for decision in &plan.decisions {
         match decision {
             Decision::Checks(range) => {
-                let (status, reported) = report(plan, outcomes, range.clone(), quotas_pass);
+                let (status, reported) = report(&judged, range.clone());
                 statuses.push(status);
                 limited.push(reported);
             }
@@ -646,33 +727,30 @@ fn assemble(plan: &Plan<'_>, outcomes: &[Outcome], headers: HeaderStyle) -> pb::
     }
     // Statuses no check decided are always OK.
     let over = limited.iter().any(|r| r.over);
+    let dynamic_metadata = settings
+        .dynamic_metadata
+        .then(|| dynamic_metadata(request, plan, &statuses));
     pb::RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
         statuses,
-        response_headers_to_add: rate_limit_headers(&limited, over, headers),
-        dynamic_metadata: plan.dynamic_metadata(),
+        response_headers_to_add: rate_limit_headers(&limited, over, settings.headers),
+        dynamic_metadata,
         ..Default::default()
     }
 }
 
-/// Reports the most restrictive of a descriptor's limits: a denying one (the longest wait),
-/// else the one with the least remaining.
+/// Reports the most restrictive of a descriptor's limits: a denying one, else an over one (the
+/// longest wait first), else the one with the least remaining.
 fn report<'c>(
-    plan: &Plan<'c>,
-    outcomes: &[Outcome],
+    judged: &Judged<'_, 'c>,
     range: std::ops::Range<usize>,
-    quotas_pass: bool,
 ) -> (DescriptorStatus, Reported<'c>) {
-    let not_denying = |i: usize| {
-        let check = &plan.checks[i];
-        check.shadow || (check.quota_mode && quotas_pass)
-    };
-    let enforced_denial = |i: usize| !outcomes[i].verdict.allowed && !not_denying(i);
-    let reported = |i: usize| reported_verdict(&outcomes[i].verdict, not_denying(i));
+    let (plan, outcomes) = (judged.plan, judged.outcomes);
+    let reported = |i: usize| reported_verdict(&outcomes[i].verdict, !judged.denies(i));
     let chosen = range
         .clone()
-        .filter(|&i| enforced_denial(i))
-        .max_by_key(|&i| outcomes[i].verdict.reset_us)
+        .filter(|&i| judged.over(i))
+        .max_by_key(|&i| (judged.denies(i), outcomes[i].verdict.reset_us))
         .or_else(|| range.clone().min_by_key(|&i| reported(i).remaining))
         .unwrap_or(range.start);
     let planned = &plan.limits[chosen].limit;
@@ -683,10 +761,9 @@ fn report<'c>(
     };
     let wire = wire_limit(planned);
     let verdict = reported(chosen);
-    let over = enforced_denial(chosen);
     let remaining = u32::try_from(verdict.remaining).unwrap_or(u32::MAX);
     let reported = Reported {
-        over,
+        over: judged.denies(chosen),
         remaining,
         reset_us: verdict.reset_us,
         requests_per_unit: wire.requests_per_unit,
@@ -694,7 +771,12 @@ fn report<'c>(
         name,
     };
     let status = DescriptorStatus {
-        code: if over { Code::OverLimit } else { Code::Ok }.into(),
+        code: if judged.over(chosen) {
+            Code::OverLimit
+        } else {
+            Code::Ok
+        }
+        .into(),
         current_limit: Some(wire),
         limit_remaining: remaining,
         duration_until_reset: Some(duration(verdict.reset_us)),
@@ -703,9 +785,10 @@ fn report<'c>(
     (status, reported)
 }
 
-/// A shadow limit that is over reports remaining 0, like envoyproxy/ratelimit.
-fn reported_verdict(verdict: &Verdict, shadow: bool) -> Verdict {
-    if verdict.allowed || !shadow {
+/// An over limit that does not deny (shadow, a quota with others left, `--shadow-mode`) reports
+/// remaining 0, like envoyproxy/ratelimit.
+fn reported_verdict(verdict: &Verdict, not_denying: bool) -> Verdict {
+    if verdict.allowed || !not_denying {
         *verdict
     } else {
         Verdict {
@@ -713,6 +796,114 @@ fn reported_verdict(verdict: &Verdict, shadow: bool) -> Verdict {
             ..*verdict
         }
     }
+}
+
+/// envoyproxy/ratelimit's `dynamic_metadata`: `domain`; `descriptors`, one per request
+/// descriptor (`entries` as `key=value`, `limit` for an override in protobuf text form,
+/// `hitsAddend` when set); the request's `hitsAddend` when not 0; and `metadata`, the
+/// `metadata:` of the descriptors whose status is OK, merged in request order (a key already
+/// there stays; Structs under one key merge).
+fn dynamic_metadata(
+    request: &engine::Request,
+    plan: &Plan<'_>,
+    statuses: &[DescriptorStatus],
+) -> prost_types::Struct {
+    use prost_types::value::Kind;
+    use prost_types::{ListValue, Struct, Value};
+    let value = |kind: Kind| Value { kind: Some(kind) };
+    let descriptors = request
+        .descriptors
+        .iter()
+        .map(|descriptor| {
+            let entries = descriptor
+                .entries
+                .iter()
+                .map(|(key, entry)| value(Kind::StringValue(format!("{key}={entry}"))))
+                .collect();
+            let mut fields = std::collections::BTreeMap::new();
+            fields.insert(
+                "entries".to_owned(),
+                value(Kind::ListValue(ListValue { values: entries })),
+            );
+            if let Some(limit) = descriptor.limit_override {
+                fields.insert(
+                    "limit".to_owned(),
+                    value(Kind::StringValue(override_text(limit))),
+                );
+            }
+            if let Some(hits) = descriptor.hits_addend {
+                fields.insert(
+                    "hitsAddend".to_owned(),
+                    value(Kind::NumberValue(hits as f64)),
+                );
+            }
+            value(Kind::StructValue(Struct { fields }))
+        })
+        .collect();
+    let mut fields = std::collections::BTreeMap::new();
+    fields.insert(
+        "domain".to_owned(),
+        value(Kind::StringValue(request.domain.clone())),
+    );
+    fields.insert(
+        "descriptors".to_owned(),
+        value(Kind::ListValue(ListValue {
+            values: descriptors,
+        })),
+    );
+    if request.hits_addend != 0 {
+        fields.insert(
+            "hitsAddend".to_owned(),
+            value(Kind::NumberValue(f64::from(request.hits_addend))),
+        );
+    }
+    let mut passed = Struct::default();
+    for (index, metadata) in &plan.metadata {
+        // Unlimited descriptors pass without a check, and add nothing, as in envoyproxy/ratelimit.
+        let checked = matches!(plan.decisions.get(*index), Some(Decision::Checks(_)));
+        let ok = statuses
+            .get(*index)
+            .is_some_and(|status| status.code == i32::from(Code::Ok));
+        if checked && ok {
+            merge_metadata(&mut passed, metadata);
+        }
+    }
+    if !passed.fields.is_empty() {
+        fields.insert("metadata".to_owned(), value(Kind::StructValue(passed)));
+    }
+    Struct { fields }
+}
+
+/// Adds `from`'s fields to `into`: a key already there keeps its value, except that two Structs
+/// merge, recursively.
+fn merge_metadata(into: &mut prost_types::Struct, from: &prost_types::Struct) {
+    use prost_types::value::Kind;
+    for (key, value) in &from.fields {
+        match into.fields.get_mut(key) {
+            None => {
+                into.fields.insert(key.clone(), value.clone());
+            }
+            Some(prost_types::Value {
+                kind: Some(Kind::StructValue(existing)),
+            }) => {
+                if let Some(Kind::StructValue(added)) = &value.kind {
+                    merge_metadata(existing, added);
+                }
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+/// A limit override as Go's protobuf text form writes it (`requests_per_unit:10 unit:MINUTE`),
+/// which is what envoyproxy/ratelimit puts in its metadata; fields at zero are left out.
+fn override_text(limit: LimitOverride) -> String {
+    let mut parts = Vec::with_capacity(2);
+    if limit.requests_per_unit != 0 {
+        parts.push(format!("requests_per_unit:{}", limit.requests_per_unit));
+    }
+    parts.push(format!("unit:{}", wire_unit(limit.unit).as_str_name()));
+    parts.join(" ")
 }
 
 fn duration(us: u64) -> prost_types::Duration {

@@ -33,8 +33,9 @@ use crate::pb::ratelimit::config::ratelimit::v3::{
 /// The resource type rlsd subscribes to, as envoyproxy/ratelimit does.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 
-/// Largest response accepted: a config is kilobytes, so anything near this is a broken server.
-const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
+/// Default largest response accepted: a config is kilobytes, so anything near this is a broken
+/// server.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// How long one connection attempt may take before it counts as failed.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// HTTP/2 pings that find a management server that vanished without closing the connection.
@@ -61,6 +62,8 @@ pub struct XdsSettings {
     pub headers: Vec<(String, String)>,
     /// TLS to the server; `None` for plaintext (unless the URL is `https://`).
     pub tls: Option<XdsTls>,
+    /// Largest response accepted, in bytes; a larger one fails the stream.
+    pub max_response_bytes: usize,
 }
 
 /// TLS to the management server.
@@ -252,7 +255,7 @@ impl XdsClient {
                 reason: causes(&error),
             })?;
         let mut client = AggregatedDiscoveryServiceClient::new(channel)
-            .max_decoding_message_size(MAX_RESPONSE_BYTES);
+            .max_decoding_message_size(self.settings.max_response_bytes);
         let (requests, outgoing) = mpsc::channel(4);
         // The channel has room: the first send never waits.
         let _ = requests.try_send(self.request(acked, String::new(), None));

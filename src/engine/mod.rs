@@ -99,25 +99,9 @@ pub struct Plan<'c> {
     pub descriptor_of: Vec<usize>,
     /// One decision per request descriptor, in request order.
     pub decisions: Vec<Decision>,
-    /// The `metadata:` of each descriptor's node that decides it, in request order.
-    pub metadata: Vec<&'c prost_types::Struct>,
-}
-
-impl Plan<'_> {
-    /// The response's `dynamic_metadata`: the deciding nodes' `metadata:` merged in request
-    /// order (a later descriptor's field wins); `None` when none has any.
-    pub fn dynamic_metadata(&self) -> Option<prost_types::Struct> {
-        match self.metadata.as_slice() {
-            [] => None,
-            [only] => Some((*only).clone()),
-            all => Some(prost_types::Struct {
-                fields: all
-                    .iter()
-                    .flat_map(|metadata| metadata.fields.clone())
-                    .collect(),
-            }),
-        }
-    }
+    /// The `metadata:` of each descriptor's node that decides it, with the descriptor's index,
+    /// in request order.
+    pub metadata: Vec<(usize, &'c prost_types::Struct)>,
 }
 
 /// Matches every descriptor of `request` against `config` and lists the checks to run.
@@ -225,7 +209,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                     plan.decisions.push(Decision::NoLimit);
                 } else {
                     if let Some(Some(metadata)) = metadata_of.get(index) {
-                        plan.metadata.push(metadata);
+                        plan.metadata.push((index, metadata));
                     }
                     plan.decisions.push(Decision::Unlimited);
                 }
@@ -254,7 +238,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
         if decision != Decision::NoLimit
             && let Some(Some(metadata)) = metadata_of.get(index)
         {
-            plan.metadata.push(metadata);
+            plan.metadata.push((index, metadata));
         }
         plan.decisions.push(decision);
     }

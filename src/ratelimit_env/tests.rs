@@ -557,3 +557,210 @@ fn tracing_off_reads_no_tracing_variable_and_bad_values_are_named() {
         }
     }
 }
+
+/// envoyproxy/ratelimit's variables, as `tests/fixtures/envoyproxy-ratelimit/` lists them.
+fn upstream_variables() -> Vec<&'static str> {
+    include_str!("../../tests/fixtures/envoyproxy-ratelimit/settings-variables.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .collect()
+}
+
+/// Every variable [`mapped_flags`] asks for, over environments that reach each branch.
+fn variables_read() -> std::collections::BTreeSet<String> {
+    let asked = std::cell::RefCell::new(std::collections::BTreeSet::new());
+    let environments: &[&[(&str, &str)]] = &[
+        &[],
+        &[
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c.pem"),
+            ("GRPC_SERVER_TLS_KEY", "/k.pem"),
+            ("USE_PROMETHEUS", "true"),
+            ("TRACING_ENABLED", "true"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+        ],
+        &[
+            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_URL", "mymaster,s1:26379"),
+        ],
+    ];
+    for environment in environments {
+        let flags = mapped_flags(&|name: &str| {
+            asked.borrow_mut().insert(name.to_owned());
+            environment
+                .iter()
+                .find(|(variable, _)| *variable == name)
+                .map(|(_, value)| (*value).to_owned())
+        });
+        assert!(flags.is_ok(), "{environment:?}: {flags:?}");
+    }
+    asked.into_inner()
+}
+
+#[test]
+fn every_upstream_variable_is_read_or_ignored_with_a_reason() {
+    let upstream = upstream_variables();
+    assert!(upstream.len() >= 100, "{} variables", upstream.len());
+    let read = variables_read();
+    let ignored: Vec<&str> = IGNORED
+        .iter()
+        .flat_map(|(variables, _)| variables.iter().copied())
+        .collect();
+    for variable in &upstream {
+        let is_read = read.contains(*variable);
+        let is_ignored = ignored.contains(variable);
+        assert!(
+            is_read || is_ignored,
+            "{variable}: neither read nor in IGNORED; map it, refuse it, or say why it is ignored"
+        );
+        assert!(
+            !(is_read && is_ignored),
+            "{variable}: read, and yet listed in IGNORED"
+        );
+    }
+    for variable in &ignored {
+        assert!(
+            upstream.contains(variable),
+            "{variable}: in IGNORED but not one of envoyproxy/ratelimit's variables"
+        );
+    }
+}
+
+#[test]
+fn every_upstream_variable_is_in_the_docs_table() {
+    let docs = include_str!("../../docs/cli.md");
+    for variable in upstream_variables() {
+        assert!(
+            docs.contains(&format!("| `{variable}` |")),
+            "{variable}: no row in docs/cli.md"
+        );
+    }
+}
+
+#[test]
+fn ignored_variables_are_named_in_one_line_with_their_reasons() {
+    let flags = read(&[
+        ("REDIS_POOL_SIZE", "20"),
+        ("REDIS_PIPELINE_WINDOW", "150us"),
+        ("EXPIRATION_JITTER_MAX_SECONDS", "300"),
+        ("REDIS_STARTUP_MAX_ELAPSED_TIME", "1m"),
+        ("MEMCACHE_HOST_PORT", ""),
+    ])
+    .expect("supported");
+    let ignored: Vec<&String> = flags
+        .notes
+        .iter()
+        .filter(|note| note.starts_with("ignored: "))
+        .collect();
+    assert_eq!(ignored.len(), 1, "{:?}", flags.notes);
+    let line = ignored[0];
+    for named in [
+        "REDIS_POOL_SIZE, REDIS_PIPELINE_WINDOW, because rlsd keeps one multiplexed",
+        "EXPIRATION_JITTER_MAX_SECONDS, because",
+        "REDIS_STARTUP_MAX_ELAPSED_TIME, because rlsd starts without waiting for Redis",
+    ] {
+        assert!(line.contains(named), "{named}: {line}");
+    }
+    // Empty is unset.
+    assert!(!line.contains("MEMCACHE"), "{line}");
+    // Nothing set, nothing said.
+    let quiet = read(&[("USE_STATSD", "false")]).expect("supported");
+    assert!(quiet.notes.is_empty(), "{:?}", quiet.notes);
+}
+
+#[test]
+fn quota_mode_dynamic_metadata_timeouts_and_stats_map_to_flags() {
+    let flags = read(&[
+        ("QUOTA_MODE", "true"),
+        ("RESPONSE_DYNAMIC_METADATA", "true"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "redis:6379"),
+        ("REDIS_TIMEOUT", "1.5ms"),
+        ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "true"),
+        ("RUNTIME_WATCH_ROOT", "true"),
+        ("USE_STATSD", "false"),
+    ])
+    .expect("supported");
+    assert!(flags.args.iter().any(|arg| arg == "--quota-mode"));
+    assert!(
+        flags
+            .args
+            .iter()
+            .any(|arg| arg == "--response-dynamic-metadata")
+    );
+    assert!(flags.args.iter().any(|arg| arg == "--latency-milliseconds"));
+    // Rounded up: a timeout never shrinks to nothing.
+    assert_eq!(value(&flags, "redis-command-timeout-ms"), Some("2"));
+    assert!(flags.notes.is_empty(), "{:?}", flags.notes);
+    // Off by default, as theirs.
+    let plain = read(&[]).expect("supported");
+    for flag in [
+        "--quota-mode",
+        "--response-dynamic-metadata",
+        "--latency-milliseconds",
+    ] {
+        assert!(!plain.args.iter().any(|arg| arg == flag), "{flag}");
+    }
+    assert_eq!(value(&plain, "redis-command-timeout-ms"), None);
+    // 0 is no timeout in theirs: rlsd keeps its own, and says so.
+    let unbounded = read(&[("REDIS_TIMEOUT", "0")]).expect("supported");
+    assert_eq!(value(&unbounded, "redis-command-timeout-ms"), None);
+    assert!(
+        unbounded
+            .notes
+            .iter()
+            .any(|note| note.starts_with("REDIS_TIMEOUT=0")),
+        "{:?}",
+        unbounded.notes
+    );
+
+    // DISABLE_STATS wins over USE_PROMETHEUS, as in theirs: no metrics port.
+    let no_stats = read(&[
+        ("DISABLE_STATS", "true"),
+        ("USE_PROMETHEUS", "true"),
+        ("PROMETHEUS_ADDR", ":19001"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&no_stats, "metrics-addr"), None);
+    assert_eq!(no_stats.notes.len(), 1, "{:?}", no_stats.notes);
+    assert!(no_stats.notes[0].starts_with("DISABLE_STATS"));
+
+    let xds = read(&[
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "4194304"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&xds, "xds-max-message-bytes"), Some("4194304"));
+    let default = read(&[
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "0"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&default, "xds-max-message-bytes"), None);
+
+    for (vars, variable) in [
+        (&[("QUOTA_MODE", "sometimes")][..], "QUOTA_MODE"),
+        (
+            &[("RESPONSE_DYNAMIC_METADATA", "yes")],
+            "RESPONSE_DYNAMIC_METADATA",
+        ),
+        (&[("REDIS_TIMEOUT", "10")], "REDIS_TIMEOUT"),
+        (&[("DISABLE_STATS", "no")], "DISABLE_STATS"),
+        (&[("RUNTIME_WATCH_ROOT", "maybe")], "RUNTIME_WATCH_ROOT"),
+        (
+            &[
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "4MB"),
+            ],
+            "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",
+        ),
+    ] {
+        let error = read(vars).expect_err("malformed");
+        assert!(error.to_string().starts_with(variable), "{error}");
+    }
+}

@@ -10,8 +10,9 @@
 //! other algorithms' reset depends on how many hits are asked for, so for them only single hits
 //! (and peeks) are remembered and answered. The entry also remembers the limit's exact parameters:
 //! a limit whose numbers changed (a reload) goes to the store. A refund (`is_negative_hits`)
-//! through this rlsd drops the entry; refunds sent through *other* replicas are not seen here, so
-//! their quota comes back for this replica only at T (never over-admitting). T is measured from
+//! through this rlsd drops the entry; refunds sent through *other* replicas (and the hits given back
+//! for answers no caller used) are not seen here, so an entry is answered from for at most one
+//! second: such quota comes back for this replica within that second (never over-admitting). T is measured from
 //! before the call left, on this process's clock, so the entry never outlives the store's reset.
 
 use std::collections::HashMap;
@@ -33,6 +34,10 @@ const SHARDS: usize = 64;
 /// much before the rounded one.
 const RESET_ROUNDING_US: u64 = 1_000;
 
+/// The longest a denial is answered from the cache: quota given back meanwhile (a refund, or
+/// the hits of an answer no caller used, through any replica) is seen again within this.
+const MAX_AGE_US: u64 = 1_000_000;
+
 type Hasher = foldhash::fast::RandomState;
 
 #[derive(Clone, Copy)]
@@ -41,12 +46,14 @@ struct Known {
     /// The denial's reset as the store reported it (µs on the cache's clock): the store keeps
     /// denying until at least `reset_at - RESET_ROUNDING_US`.
     reset_at: u64,
+    /// When the entry stops being answered from, at most [`MAX_AGE_US`] after it was learned.
+    expires_at: u64,
 }
 
 impl Known {
     /// Whether the denial certainly still holds at `now`.
     fn holds(&self, now: u64) -> bool {
-        now < self.reset_at.saturating_sub(RESET_ROUNDING_US)
+        now < self.reset_at.saturating_sub(RESET_ROUNDING_US) && now < self.expires_at
     }
 }
 
@@ -133,6 +140,7 @@ impl<S: Store, C: Clock> OverLimitCache<S, C> {
         let known = Known {
             params: check.params,
             reset_at: start.saturating_add(verdict.reset_us),
+            expires_at: start.saturating_add(MAX_AGE_US),
         };
         if !known.holds(start) {
             return;
@@ -157,6 +165,7 @@ impl<S: Store, C: Clock> OverLimitCache<S, C> {
             *entry = known;
         } else {
             entry.reset_at = entry.reset_at.min(known.reset_at);
+            entry.expires_at = entry.expires_at.max(known.expires_at);
         }
     }
 

@@ -191,6 +191,7 @@ fn retry_settings(jitter: f64) -> XdsSettings {
         retry_jitter: jitter,
         headers: Vec::new(),
         tls: None,
+        max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
     }
 }
 

@@ -41,6 +41,7 @@ async fn rlsd(
         failure_mode,
         shadow_mode: false,
         limits: Default::default(),
+        ..Default::default()
     };
     // On the multi-thread runtime, as the binary serves Cluster (no lanes: one shared connection).
     let (grpc, _http, stop, _task, _) =

@@ -26,4 +26,5 @@ mod three_layer;
 mod tls;
 mod traces;
 mod unix_socket;
+mod upstream_answers;
 mod xds;

@@ -40,6 +40,7 @@ fn settings() -> ServiceSettings {
         failure_mode: FailureMode::Error,
         shadow_mode: false,
         limits: Default::default(),
+        ..Default::default()
     }
 }
 

@@ -65,7 +65,7 @@ fn check(key: &str, algorithm: Algorithm, hits: Hits) -> Check {
 }
 
 #[tokio::test]
-async fn a_denied_key_is_answered_locally_until_its_reset_for_every_algorithm() {
+async fn a_denied_key_is_answered_locally_until_its_reset_or_for_a_second() {
     for algorithm in Algorithm::ALL {
         let clock = ManualClock::at(T0 + 2 * S);
         let cache = cached(&clock, 100);
@@ -88,9 +88,11 @@ async fn a_denied_key_is_answered_locally_until_its_reset_for_every_algorithm() 
         assert!(!denied.allowed, "{algorithm}");
         let calls = cache.inner().calls.load(Ordering::Relaxed);
         assert_eq!(calls, 4);
-        // Until the reset: the store's own answer, without asking the store.
-        let until = clock.now_us() + denied.reset_us;
-        clock.set(until - 2_000);
+        // Until the reset, and for at most a second: the store's own answer, without asking it.
+        let learned = clock.now_us();
+        let until = learned + denied.reset_us;
+        let answered_until = until.min(learned + S);
+        clock.set(answered_until - 2_000);
         let local = cache
             .decide(std::slice::from_ref(&c))
             .await
@@ -108,8 +110,9 @@ async fn a_denied_key_is_answered_locally_until_its_reset_for_every_algorithm() 
             .await
             .expect("decide");
         assert_eq!(local, store, "{algorithm}");
-        // Within the last millisecond the store decides again, and from the reset on it passes.
-        clock.set(until - 1_000);
+        // Within the reset's last millisecond, or a second on, the store decides again; from the
+        // reset on it passes.
+        clock.set((until - 1_000).min(learned + S));
         cache
             .decide(std::slice::from_ref(&c))
             .await
@@ -299,7 +302,7 @@ async fn redis_behind_the_cache_answers_what_the_store_would() {
     let requests = random_requests(2026, &ON_THE_MS);
     let answered = replay(&cache, &clock, &requests[..2000], true).await;
     eprintln!("over Redis the cache answered {answered} of 2000 requests");
-    assert!(answered > 20, "the cache answered {answered} requests");
+    assert!(answered > 10, "the cache answered {answered} requests");
 }
 
 #[tokio::test]

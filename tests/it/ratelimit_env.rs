@@ -161,3 +161,148 @@ fn exit_of(command: &mut std::process::Command) -> std::process::Output {
     }
     child.wait_with_output().expect("output")
 }
+
+const EDGE: &str = r#"
+domain: edge
+descriptors:
+  - key: user
+    metadata: {team: users}
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: route
+    metadata: {team: routes, tier: gold}
+    rate_limit: {unit: hour, requests_per_unit: 100}
+"#;
+
+/// One `[user=<user>], [route=/]` request to `rlsd`.
+async fn ask_edge(
+    client: &mut RateLimitServiceClient<tonic::transport::Channel>,
+    user: &str,
+) -> Result<rlsd::pb::RateLimitResponse, tonic::Status> {
+    client
+        .should_rate_limit(request(
+            "edge",
+            vec![descriptor(&[("user", user)]), descriptor(&[("route", "/")])],
+        ))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// The overall code and each status's code.
+fn codes(response: &rlsd::pb::RateLimitResponse) -> (Code, Vec<Code>) {
+    let code = |value| Code::try_from(value).expect("a code");
+    (
+        code(response.overall_code),
+        response.statuses.iter().map(|s| code(s.code)).collect(),
+    )
+}
+
+/// `metadata.<key>` of the response's dynamic metadata, as an access log's
+/// `%DYNAMIC_METADATA(envoy.filters.http.ratelimit:metadata:<key>)%` reads it.
+fn metadata_field(response: &rlsd::pb::RateLimitResponse, key: &str) -> Option<String> {
+    use prost_types::value::Kind;
+    let metadata = response.dynamic_metadata.as_ref()?.fields.get("metadata")?;
+    let Some(Kind::StructValue(metadata)) = &metadata.kind else {
+        return None;
+    };
+    match &metadata.fields.get(key)?.kind {
+        Some(Kind::StringValue(value)) => Some(value.clone()),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_dynamic_metadata_and_tuning_variables_act_as_in_envoyproxy_ratelimit() {
+    let redis = RedisServer::start();
+    let dir = installed(EDGE);
+    let mut command = ratelimit(dir.path());
+    command
+        .env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
+        .env("QUOTA_MODE", "true")
+        .env("RESPONSE_DYNAMIC_METADATA", "true")
+        .env("REDIS_TIMEOUT", "10s")
+        .env("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "true")
+        .env("REDIS_POOL_SIZE", "20")
+        .env("REDIS_PIPELINE_WINDOW", "150us")
+        .env("EXPIRATION_JITTER_MAX_SECONDS", "300");
+    let rlsd = Rlsd::start(command);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+        .await
+        .expect("connect");
+
+    let first = ask_edge(&mut client, "ann").await.expect("answer");
+    assert_eq!(codes(&first), (Code::Ok, vec![Code::Ok, Code::Ok]));
+    assert_eq!(metadata_field(&first, "team").as_deref(), Some("users"));
+    assert_eq!(metadata_field(&first, "tier").as_deref(), Some("gold"));
+    // The user is over; the route, another quota, has room: allowed. The metadata is the
+    // route's alone.
+    let second = ask_edge(&mut client, "ann").await.expect("answer");
+    assert_eq!(codes(&second), (Code::Ok, vec![Code::OverLimit, Code::Ok]));
+    assert_eq!(metadata_field(&second, "team").as_deref(), Some("routes"));
+
+    // REDIS_TIMEOUT=10s: a Redis stalled for 300 ms is waited for (rlsd's own 5 ms would give up).
+    assert_eq!(
+        redis.cli(&["CLIENT", "PAUSE", "300", "ALL"]).as_deref(),
+        Some("OK")
+    );
+    let waited = ask_edge(&mut client, "bob").await;
+    assert!(waited.is_ok(), "{waited:?}\n{}", rlsd.log());
+
+    // PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS: the latency histogram is in milliseconds.
+    let (_, metrics) = common::http_get(rlsd.http, "/metrics").await;
+    assert!(
+        metrics.contains("ratelimit_service_should_rate_limit_duration_milliseconds_count 3"),
+        "{metrics}"
+    );
+    // What is ignored is named, with why, in one line.
+    let log = rlsd.log();
+    let ignored: Vec<&str> = log.lines().filter(|l| l.contains("ignored: ")).collect();
+    assert_eq!(ignored.len(), 1, "{log}");
+    for named in [
+        "REDIS_POOL_SIZE, REDIS_PIPELINE_WINDOW, because",
+        "EXPIRATION_JITTER_MAX_SECONDS, because",
+    ] {
+        assert!(ignored[0].contains(named), "{named}: {log}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_keeps_each_status_and_disable_stats_opens_no_metrics_port() {
+    let redis = RedisServer::start();
+    let dir = installed(EDGE);
+    // Held: with a metrics port to open there, rlsd could not start.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let mut command = ratelimit(dir.path());
+    command
+        .env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
+        .env("REDIS_TIMEOUT", "2s")
+        .env("SHADOW_MODE", "true")
+        .env("DISABLE_STATS", "true")
+        .env("USE_PROMETHEUS", "true")
+        .env(
+            "PROMETHEUS_ADDR",
+            taken.local_addr().expect("its address").to_string(),
+        );
+    let rlsd = Rlsd::start(command);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+        .await
+        .expect("connect");
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let response = ask_edge(&mut client, "cat").await.expect("answer");
+        // Without RESPONSE_DYNAMIC_METADATA, none, as envoyproxy/ratelimit.
+        assert_eq!(response.dynamic_metadata, None);
+        answers.push(codes(&response));
+    }
+    assert_eq!(
+        answers,
+        [
+            (Code::Ok, vec![Code::Ok, Code::Ok]),
+            // Envoy's own headers still show which limit would fire.
+            (Code::Ok, vec![Code::OverLimit, Code::Ok]),
+            (Code::Ok, vec![Code::OverLimit, Code::Ok]),
+        ]
+    );
+    assert!(rlsd.log().contains("DISABLE_STATS"), "{}", rlsd.log());
+}

@@ -61,6 +61,7 @@ impl Rlsd {
             failure_mode,
             shadow_mode: false,
             limits: Default::default(),
+            ..Default::default()
         };
         let (grpc, _http, stop, task) = spawn_server(yaml, store, settings).await;
         Rlsd { grpc, stop, task }
@@ -152,6 +153,7 @@ async fn responses<S: rlsd::store::Store>(
         failure_mode: FailureMode::Error,
         shadow_mode: false,
         limits: Default::default(),
+        ..Default::default()
     };
     let (grpc, _http, stop, task) = spawn_server(TWO_PERIODS, store, settings).await;
     let mut client = RateLimitServiceClient::connect(format!("http://{grpc}"))

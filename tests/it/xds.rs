@@ -692,3 +692,32 @@ fn health_that_needs_a_config_waits_for_a_pushed_domain_and_turns_when_all_are_d
     assert_eq!(codes(&rlsd, "late", 2), [OK, OK]);
     server.stop();
 }
+
+/// `--xds-max-message-bytes` (envoyproxy/ratelimit's `XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES`): a
+/// response larger than it fails the stream and configures nothing; the default takes it.
+#[test]
+fn a_response_over_the_message_size_configures_nothing() {
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    server.push("1", limits("sized", 1, RateLimitUnit::Minute));
+    let size = response("1", limits("sized", 1, RateLimitUnit::Minute)).encoded_len();
+    let addr = server.addr.to_string();
+    let small = (size - 1).to_string();
+    let refusing = Rlsd::serve([
+        "--config-xds",
+        &addr,
+        "--xds-force-start",
+        "--xds-max-message-bytes",
+        &small,
+    ]);
+    wait_for_log(&refusing, "xDS stream lost");
+    assert!(
+        refusing.log().contains("message length too large"),
+        "{}",
+        refusing.log()
+    );
+    assert_eq!(codes(&refusing, "sized", 2), [OK, OK], "not configured");
+    let fitting = size.to_string();
+    let taking = Rlsd::serve(["--config-xds", &addr, "--xds-max-message-bytes", &fitting]);
+    assert_eq!(codes(&taking, "sized", 2), [OK, OVER_LIMIT]);
+    server.stop();
+}

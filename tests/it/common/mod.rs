@@ -109,6 +109,7 @@ impl TestServer {
             failure_mode: Default::default(),
             shadow_mode: false,
             limits: Default::default(),
+            ..Default::default()
         };
         TestServer::start_settings(yaml, settings, max_keys).await
     }
