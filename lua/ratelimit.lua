@@ -7,7 +7,7 @@
 -- ARGV[1]   now in microseconds, or "" to read Redis TIME (the only clock replicas share;
 --           tests pass a fixed value)
 -- ARGV[2]   number of distinct limits M in this call, then 5 values per limit: algorithm
---           (fw|swl|swc|tb|gcra), limit L, period P (µs), burst B, mode (0 enforced, 1 shadow,
+--           (fw|swlc|swc|tb|gcra), limit L, period P (µs), burst B, mode (0 enforced, 1 shadow,
 --           2 quota: the request is denied by its quota checks only when none of them allows)
 -- then      number of requests R, then per request: its number of checks n, its deadline (µs on
 --           the script's clock, "" for none: a request the script reaches after it is answered
@@ -56,16 +56,56 @@ end
 
 -- Loading state ---------------------------------------------------------------------------
 
--- A sliding log, read from its sorted set.
+-- A sliding log is a sorted set with one member per request that took hits, scored by its
+-- timestamp and named `<cum>:<count>`: its own hits, and the running total of hits up to and
+-- including it. Hits in the window are then the newest total less the total before the first
+-- live member, and the k-th oldest live hit is found by a binary search on the totals: every
+-- operation reads O(log n) members, however many hits a request takes.
+local function parse_member(member)
+  local cum, count = match(member, '^(%d+):(%d+)$')
+  return cum + 0, count + 0
+end
+
+-- A sliding log, read from its sorted set: what Redis holds (`stored` live hits, the newest
+-- member, the total `base` before the first live hit), plus hits added or removed earlier in
+-- this request and not yet written.
 local function load_log(key, now, p)
   local horizon = now - p
+  local st = { key = key, horizon = horizon, adds = {}, removed = 0, stored = 0, base = 0,
+               expired = 0, members = 0 }
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  local st = { key = key, horizon = horizon, adds = {}, removed = 0 }
-  st.stored = redis.call('ZCOUNT', key, '(' .. fmt(horizon), '+inf')
   if newest[1] then
-    st.newest = tonumber(newest[2])
+    local cum, count = parse_member(newest[1])
+    st.newest, st.newest_cum = tonumber(newest[2]), cum
+    st.members = redis.call('ZCARD', key)
+    st.expired = redis.call('ZCOUNT', key, '-inf', fmt(horizon))
+    st.base = cum
+    if st.expired < st.members then
+      local first = redis.call('ZRANGE', key, st.expired, st.expired)
+      local first_cum, first_count = parse_member(first[1])
+      st.base = first_cum - first_count
+      st.stored = cum - st.base
+    end
   end
   return st
+end
+
+-- The first live member whose running total reaches `target`: its rank, timestamp, total,
+-- own hits and name.
+local function member_at(st, target)
+  local lo, hi = st.expired, st.members - 1
+  while lo < hi do
+    local mid = floor((lo + hi) / 2)
+    local cum = parse_member(redis.call('ZRANGE', st.key, mid, mid)[1])
+    if cum >= target then
+      hi = mid
+    else
+      lo = mid + 1
+    end
+  end
+  local member = redis.call('ZRANGE', st.key, lo, lo, 'WITHSCORES')
+  local cum, count = parse_member(member[1])
+  return lo, tonumber(member[2]), cum, count, member[1]
 end
 
 -- The state in a string key's value (false when the key does not exist). Numbers are read
@@ -110,8 +150,7 @@ local function fixed_window(c, st, now, want, take)
   return false, max(0, l - count), reset
 end
 
--- Sliding log state: members `<ts>:<k>` in Redis (k counts hits at one instant), plus hits
--- added or removed earlier in this request and not yet written.
+-- Hits in the window: what Redis holds, less what this request gave back, plus what it added.
 local function log_live(st)
   local n = st.stored - st.removed
   for _, add in ipairs(st.adds) do
@@ -126,9 +165,17 @@ local function log_newest(st)
     return last.ts
   end
   if st.removed > 0 then
-    local rank = -(st.removed + 1)
-    local member = redis.call('ZRANGE', st.key, rank, rank, 'WITHSCORES')
-    return tonumber(member[2])
+    local target = st.newest_cum - st.removed
+    if target > st.base then
+      local _, ts = member_at(st, target)
+      return ts
+    end
+    -- Every live hit given back: the newest expired member, if any.
+    if st.expired > 0 then
+      local member = redis.call('ZRANGE', st.key, st.expired - 1, st.expired - 1, 'WITHSCORES')
+      return tonumber(member[2])
+    end
+    return nil
   end
   return st.newest
 end
@@ -136,8 +183,8 @@ end
 local function log_nth_oldest_ts(st, k)
   local stored = st.stored - st.removed
   if k <= stored then
-    local member = redis.call('ZRANGEBYSCORE', st.key, '(' .. fmt(st.horizon), '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
-    return tonumber(member[2])
+    local _, ts = member_at(st, st.base + k)
+    return ts
   end
   k = k - stored
   for _, add in ipairs(st.adds) do
@@ -155,7 +202,8 @@ local function copy_log(st)
     adds[i] = { ts = add.ts, count = add.count }
   end
   return { key = st.key, horizon = st.horizon, stored = st.stored, removed = st.removed,
-           newest = st.newest, adds = adds }
+           newest = st.newest, newest_cum = st.newest_cum, base = st.base, expired = st.expired,
+           members = st.members, adds = adds }
 end
 
 local function sliding_log(c, st, now, want, take)
@@ -294,7 +342,7 @@ local function gcra(c, st, now, want, take)
   return false, min(remaining, c.b), allow_at - now
 end
 
-local ALGORITHMS = { fw = fixed_window, swl = sliding_log, swc = sliding_counter, tb = token_bucket, gcra = gcra }
+local ALGORITHMS = { fw = fixed_window, swlc = sliding_log, swc = sliding_counter, tb = token_bucket, gcra = gcra }
 
 -- Refunds ----------------------------------------------------------------------------------
 
@@ -303,7 +351,7 @@ local function refunded(c, st, now, n)
   if c.alg == 'fw' then
     local window, count = fixed_window_now(c, st, now)
     return { window = window, count = max(0, count - n) }, max(0, (window + 1) * p - now) + SLACK
-  elseif c.alg == 'swl' then
+  elseif c.alg == 'swlc' then
     local new = copy_log(st)
     local left = n
     while left > 0 and #new.adds > 0 do
@@ -338,7 +386,7 @@ end
 -- One check --------------------------------------------------------------------------------
 
 local function has_state(c, st)
-  if c.alg == 'swl' then
+  if c.alg == 'swlc' then
     return st.stored > 0 or #st.adds > 0
   end
   return st ~= false
@@ -397,31 +445,40 @@ end
 local function store(c, key, st, ttl, now)
   -- Formatted here: Redis would turn a Lua number into text with %.17g, a slower conversion.
   ttl = string.format('%d', max(1, ceil(ttl / 1000)))
-  if c.alg == 'swl' then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(st.horizon))
+  if c.alg == 'swlc' then
+    -- Hits given back leave from the newest end (ranks are still those read at load).
     if st.removed > 0 then
-      redis.call('ZREMRANGEBYRANK', key, -st.removed, -1)
-    end
-    -- Member names continue after the newest member at the same instant, so none collide.
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    local newest_ts, newest_k = tonumber(newest[2]), tonumber(newest[1] and string.match(newest[1], ':(%d+)$'))
-    for _, add in ipairs(st.adds) do
-      local first = 1
-      if newest_ts and add.ts == newest_ts then
-        first = newest_k + 1
-      end
-      -- In chunks: Lua's unpack has a stack limit (about 8000 values). The config caps a log
-      -- at 100 000 entries, which bounds add.count.
-      local last = first + add.count - 1
-      for from = first, last, 500 do
-        local args = {}
-        for k = from, math.min(from + 499, last) do
-          args[#args + 1] = fmt(add.ts)
-          args[#args + 1] = string.format('%d:%010d', add.ts, k)
+      local target = st.newest_cum - st.removed
+      if target > st.base then
+        local rank, ts, cum, count, member = member_at(st, target)
+        redis.call('ZREMRANGEBYRANK', key, rank + 1, -1)
+        if cum > target then
+          redis.call('ZREM', key, member)
+          redis.call('ZADD', key, fmt(ts), string.format('%d:%d', target, count - (cum - target)))
         end
-        redis.call('ZADD', key, unpack(args))
+      else
+        redis.call('ZREMRANGEBYRANK', key, st.expired, -1)
       end
-      newest_ts, newest_k = add.ts, first + add.count - 1
+    end
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(st.horizon))
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local newest_ts, newest_cum, newest_count, newest_member = nil, 0, 0, newest[1]
+    if newest_member then
+      newest_ts = tonumber(newest[2])
+      newest_cum, newest_count = parse_member(newest_member)
+    end
+    -- One member per instant: hits at the newest member's instant join it.
+    for _, add in ipairs(st.adds) do
+      if newest_ts and add.ts == newest_ts then
+        redis.call('ZREM', key, newest_member)
+        newest_count = newest_count + add.count
+      else
+        newest_count = add.count
+      end
+      newest_cum = newest_cum + add.count
+      newest_ts = add.ts
+      newest_member = string.format('%d:%d', newest_cum, newest_count)
+      redis.call('ZADD', key, fmt(add.ts), newest_member)
     end
     redis.call('PEXPIRE', key, ttl)
   elseif c.alg == 'fw' then
@@ -491,7 +548,7 @@ do
         slot_of[key], key_at[s] = s, key
       end
       limit_of[g], slot_of_check[g] = c, s
-      if c.alg ~= 'swl' and c.l ~= 0 and not fetched[s] then
+      if c.alg ~= 'swlc' and c.l ~= 0 and not fetched[s] then
         fetched[s] = true
         fetches = fetches + 1
         fetch[fetches], fetch_slot[fetches] = key, s
@@ -555,7 +612,7 @@ for r = 1, request_count do
       else
         st = loaded_at[s]
         if st == nil and c.l ~= 0 then
-          if c.alg == 'swl' then
+          if c.alg == 'swlc' then
             st = load_log(key_at[s], now, c.p)
           else
             st = parse(c.alg, raw_at[s])
@@ -589,7 +646,7 @@ for r = 1, request_count do
         if new and written_in[s] ~= r then
           written_in[s] = r
           local c = limit_of[first_check + i - 1]
-          if c.alg == 'swl' then
+          if c.alg == 'swlc' then
             store(c, key_at[s], new, ttl_of[i], now)
             loaded_at[s] = nil
           else

@@ -163,7 +163,7 @@ impl Algorithm {
     pub fn key_tag(self) -> &'static str {
         match self {
             Algorithm::FixedWindow => "fw",
-            Algorithm::SlidingWindowLog => "swl",
+            Algorithm::SlidingWindowLog => "swlc",
             Algorithm::SlidingWindowCounter => "swc",
             Algorithm::TokenBucket => "tb",
             Algorithm::Gcra => "gcra",

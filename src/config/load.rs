@@ -330,7 +330,8 @@ const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors"];
 /// The longest period a limit may have: ten years keeps every microsecond sum well inside what
 /// Lua's doubles (and so the Redis store) count exactly.
 const MAX_PERIOD_SECONDS: u64 = 10 * 365 * 86_400;
-/// The largest sliding log: it stores one entry per hit, so its memory and write cost grow with L.
+/// The largest sliding log: it stores up to one entry per request in its window, so its memory
+/// grows with L.
 const MAX_SLIDING_LOG_LIMIT: u32 = 100_000;
 /// Longest GCRA burst tolerance `(B - 1) * P / L`, in microseconds (ten years), for the same
 /// reason as the period.

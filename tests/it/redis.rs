@@ -695,3 +695,47 @@ async fn script_flush_stays_within_the_callers_budget() {
     );
     rlsd.stop().await;
 }
+
+/// A sliding log costs one sorted-set member per request, however many hits it takes; a request
+/// larger than the whole limit is answered without writing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_hits_addend_on_a_sliding_log_writes_one_member() {
+    let redis = RedisServer::start();
+    let yaml = "domain: big\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 100000, algorithm: sliding_window_log}\n";
+    let rlsd = Rlsd::start(
+        yaml,
+        &redis.url(),
+        FailureMode::Error,
+        Duration::from_secs(2),
+    )
+    .await;
+    let mut client = rlsd.client().await;
+    let mut ask = async |value: &str, hits: u64| {
+        let mut d = descriptor(&[("k", value)]);
+        d.hits_addend = Some(hits);
+        let response = client
+            .should_rate_limit(request("big", vec![d]))
+            .await
+            .expect("answer")
+            .into_inner();
+        (
+            Code::try_from(response.overall_code).expect("known code"),
+            response.statuses[0].limit_remaining,
+        )
+    };
+    let key = |value: &str| format!("rlsd:_:big:swlc:3600:k={value}");
+    assert_eq!(ask("a", 100_000).await, (Code::Ok, 0));
+    assert_eq!(redis.cli(&["ZCARD", &key("a")]).as_deref(), Some("1"));
+    assert_eq!(ask("a", 1).await, (Code::OverLimit, 0));
+    // Over the whole limit: never passes, and nothing is written.
+    assert_eq!(ask("b", 100_001).await.0, Code::OverLimit);
+    assert_eq!(redis.cli(&["EXISTS", &key("b")]).as_deref(), Some("0"));
+    // Requests of several hits each stay one member per request, and count exactly.
+    for _ in 0..10 {
+        assert_eq!(ask("c", 7_000).await.0, Code::Ok);
+    }
+    assert_eq!(redis.cli(&["ZCARD", &key("c")]).as_deref(), Some("10"));
+    assert_eq!(ask("c", 30_001).await.0, Code::OverLimit);
+    assert_eq!(ask("c", 30_000).await, (Code::Ok, 0));
+    rlsd.stop().await;
+}
