@@ -209,6 +209,38 @@ async fn token_bucket_refill<S: Store>(store: &S, clock: &ManualClock) {
     assert_eq!((v.allowed, v.remaining, v.reset_us), (true, 1, 350 * MS));
 }
 
+/// A refund restores at most what the limit holds, and never less: after taking 3, refunding
+/// 1,000 and then 10^9, exactly the capacity passes again, one hit at a time, with the clock
+/// moving on a millisecond per call.
+async fn refunds_restore_exactly_the_capacity<S: Store>(store: &S, clock: &ManualClock) {
+    for algorithm in Algorithm::ALL {
+        let mut now = T0 + 11 * S;
+        clock.set(now);
+        let key = format!("refund-{algorithm}");
+        let c = |hits| check(&key, algorithm, 10, 3_600 * S, 10, hits);
+        assert!(one(store, &c(Hits::Take(3))).await.allowed, "{algorithm}");
+        let v = one(store, &c(Hits::Refund(1_000))).await;
+        assert_eq!(
+            (v.allowed, v.remaining),
+            (true, 10),
+            "{algorithm}: refund 1000"
+        );
+        let v = one(store, &c(Hits::Refund(1_000_000_000))).await;
+        assert_eq!(
+            (v.allowed, v.remaining),
+            (true, 10),
+            "{algorithm}: refund 10^9"
+        );
+        let mut allowed = 0;
+        for _ in 0..14 {
+            now += MS;
+            clock.set(now);
+            allowed += usize::from(one(store, &c(Hits::Take(1))).await.allowed);
+        }
+        assert_eq!(allowed, 10, "{algorithm}: single hits after the refunds");
+    }
+}
+
 async fn hits_peek_refund_and_capacity<S: Store>(store: &S, clock: &ManualClock) {
     clock.set(T0 + 7 * S);
     for algorithm in Algorithm::ALL {
@@ -506,6 +538,7 @@ macro_rules! behaviour_suite {
                 sliding_counter_weights,
                 token_bucket_refill,
                 hits_peek_refund_and_capacity,
+                refunds_restore_exactly_the_capacity,
                 denied_requests_consume_nothing,
                 a_key_twice_in_one_request,
                 a_clock_stepping_back_grants_nothing,
@@ -573,6 +606,7 @@ async fn cluster_passes_the_whole_suite() {
     sliding_counter_weights(&store, &clock).await;
     token_bucket_refill(&store, &clock).await;
     hits_peek_refund_and_capacity(&store, &clock).await;
+    refunds_restore_exactly_the_capacity(&store, &clock).await;
     denied_requests_consume_nothing(&store, &clock).await;
     a_key_twice_in_one_request(&store, &clock).await;
     a_clock_stepping_back_grants_nothing(&store, &clock).await;
