@@ -13,7 +13,9 @@
 --           the script's clock, "" for none: a request the script reaches after it is answered
 --           as late and writes nothing, since its caller has stopped waiting), then 2 values per
 --           check: the index of its limit (1..M) and its hits: "<n>" takes n, "p" peeks (decided
---           as one hit, nothing taken), "r<n>" refunds n
+--           as one hit, nothing taken), "r<n>" refunds n, "c<n>" charges n (decided as taking n,
+--           and recorded whatever the answer: work already done), "d<n>" evaluates a charge as
+--           "c<n>" does but records it only if the request is allowed (a dry run's)
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
 -- Reply: one string of decimal integers separated by spaces: the script's clock (µs), then three
@@ -31,6 +33,8 @@
 -- are matched as strings rather than converted.
 
 local SLACK = 1000000
+-- The most debt a charge leaves a token bucket or GCRA: ten years to drain (as in Rust).
+local MAX_DEBT = 10 * 365 * 86400 * 1000000
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 
 -- Integer division of non-negative integers, immune to float rounding near a multiple.
@@ -128,7 +132,8 @@ local function parse(alg, raw)
   end
 end
 
--- The algorithms: each returns allowed, remaining, reset, new state (or nil), ttl ----------
+-- The algorithms: each returns allowed, remaining, reset, new state (or nil), ttl; `force`
+-- (a charge) returns the state with `take` taken even when denied ----------------------------
 
 -- The fixed window in force at `now` and its count.
 local function fixed_window_now(c, st, now)
@@ -139,13 +144,16 @@ local function fixed_window_now(c, st, now)
   return window, 0
 end
 
-local function fixed_window(c, st, now, want, take)
+local function fixed_window(c, st, now, want, take, force)
   local l, p = c.l, c.p
   local window, count = fixed_window_now(c, st, now)
   local reset = max(0, (window + 1) * p - now)
   if count + want <= l then
     count = count + take
     return true, l - count, reset, { window = window, count = count }, reset + SLACK
+  end
+  if force then
+    return false, max(0, l - count), reset, { window = window, count = count + take }, reset + SLACK
   end
   return false, max(0, l - count), reset
 end
@@ -206,35 +214,47 @@ local function copy_log(st)
            members = st.members, adds = adds }
 end
 
-local function sliding_log(c, st, now, want, take)
+-- The log with `take` hits added at now (never before its newest), and its time to live.
+local function log_taken(st, now, p, take)
+  local newest = log_newest(st)
+  local at = newest and max(newest, now) or now
+  local new = copy_log(st)
+  if take > 0 then
+    local last = new.adds[#new.adds]
+    if last and last.ts == at then
+      last.count = last.count + take
+    else
+      new.adds[#new.adds + 1] = { ts = at, count = take }
+    end
+  end
+  local live_newest = log_newest(new)
+  -- State ahead of a clock that stepped back lives as long as it matters.
+  local ahead = 0
+  if live_newest then
+    ahead = max(0, live_newest - now)
+  end
+  return new, p + SLACK + ahead, live_newest
+end
+
+local function sliding_log(c, st, now, want, take, force)
   local l, p = c.l, c.p
   local n = log_live(st)
   if n + want <= l then
-    local newest = log_newest(st)
-    local at = newest and max(newest, now) or now
-    local new = copy_log(st)
-    if take > 0 then
-      local last = new.adds[#new.adds]
-      if last and last.ts == at then
-        last.count = last.count + take
-      else
-        new.adds[#new.adds + 1] = { ts = at, count = take }
-      end
-    end
-    local live_newest = log_newest(new)
+    local new, ttl, live_newest = log_taken(st, now, p, take)
     local reset = 0
     if live_newest and (now < p or live_newest > now - p) then
       reset = max(0, live_newest + p - now)
     end
-    -- State ahead of a clock that stepped back lives as long as it matters.
-    local ahead = 0
-    if live_newest then
-      ahead = max(0, live_newest - now)
-    end
-    return true, l - n - take, reset, new, p + SLACK + ahead
+    return true, l - n - take, reset, new, ttl
   end
+  -- None when the log holds fewer hits than needed (a charge larger than the limit).
   local ts = log_nth_oldest_ts(st, n + want - l)
-  return false, max(0, l - n), max(0, ts + p - now)
+  local reset = ts and max(0, ts + p - now) or 0
+  if force then
+    local new, ttl = log_taken(st, now, p, take)
+    return false, max(0, l - n), reset, new, ttl
+  end
+  return false, max(0, l - n), reset
 end
 
 local function sliding_counter_wait(l, p, now, window, current, previous, want)
@@ -274,7 +294,7 @@ local function sliding_now(c, st, now)
   return now, window, 0, 0
 end
 
-local function sliding_counter(c, st, clock_now, want, take)
+local function sliding_counter(c, st, clock_now, want, take, force)
   local l, p = c.l, c.p
   local now, window, current, previous = sliding_now(c, st, clock_now)
   local elapsed = now - window * p
@@ -293,6 +313,10 @@ local function sliding_counter(c, st, clock_now, want, take)
       { window = window, current = current, previous = previous }, 2 * p + SLACK + (now - clock_now)
   end
   local reset = max(1, sliding_counter_wait(l, p, now, window, current, previous, want))
+  if force then
+    return false, floor(max(0, l - estimate)), reset,
+      { window = window, current = current + take, previous = previous }, 2 * p + SLACK + (now - clock_now)
+  end
   return false, floor(max(0, l - estimate)), reset
 end
 
@@ -310,7 +334,7 @@ local function bucket_ttl(c, tokens)
   return ceil(missing * c.p / c.l) + SLACK
 end
 
-local function token_bucket(c, st, now, want, take)
+local function token_bucket(c, st, now, want, take, force)
   local tokens, updated = refilled_bucket(c, st, now)
   local rate_inverse = c.p / c.l
   if tokens >= want then
@@ -319,14 +343,21 @@ local function token_bucket(c, st, now, want, take)
     return true, floor(tokens), ceil(missing * rate_inverse),
       { tokens = tokens, updated = updated }, bucket_ttl(c, tokens) + max(0, updated - now)
   end
-  return false, floor(tokens), ceil((want - tokens) * rate_inverse)
+  local remaining, reset = floor(max(0, tokens)), ceil((want - tokens) * rate_inverse)
+  if force then
+    -- A charge leaves the bucket in debt (negative tokens), at most MAX_DEBT to refill.
+    local owed = max(tokens - take, c.b - MAX_DEBT * c.l / c.p)
+    return false, remaining, reset, { tokens = owed, updated = updated },
+      bucket_ttl(c, owed) + max(0, updated - now)
+  end
+  return false, remaining, reset
 end
 
 local function emission_interval(c)
   return max(1, idiv(c.p, max(c.l, 1)))
 end
 
-local function gcra(c, st, now, want, take)
+local function gcra(c, st, now, want, take, force)
   local t, tau = c.t, c.tau
   local tat0 = now
   if st and st.tat > now then
@@ -339,6 +370,11 @@ local function gcra(c, st, now, want, take)
   end
   local allow_at = tat0 + want * t - tau - t
   local remaining = idiv(max(0, horizon - tat0), t)
+  if force then
+    -- A charge moves the arrival time on as debt, at most MAX_DEBT ahead.
+    local owed = min(tat0 + take * t, now + MAX_DEBT)
+    return false, min(remaining, c.b), allow_at - now, { tat = owed }, owed - now + SLACK
+  end
   return false, min(remaining, c.b), allow_at - now
 end
 
@@ -395,16 +431,16 @@ end
 -- One check's answer: allowed, remaining, reset (µs, rounded up to whole ms), unconsumed (the
 -- remaining to report if another limit denies the request), new state (nil: nothing to
 -- write) and its ttl.
-local function run(c, st, now, want, take)
+local function run(c, st, now, want, take, force)
   if st == false then
     st = nil
   end
-  local allowed, remaining, reset, new, ttl = c.algorithm(c, st, now, want, take)
+  local allowed, remaining, reset, new, ttl = c.algorithm(c, st, now, want, take, force)
   local unconsumed = remaining
   if allowed then
     unconsumed = remaining + take
   end
-  if not allowed or take == 0 then
+  if (not allowed and not force) or take == 0 then
     new = nil
   end
   return allowed, remaining, round_up_ms(reset), unconsumed, new, ttl
@@ -432,6 +468,14 @@ local function assess(c, mode, n, st, now)
     local new, ttl = refunded(c, st, now, n)
     local after_allowed, after_remaining, after_reset = run(c, new, now, 0, 0)
     return after_allowed, after_remaining, after_reset, remaining, new, ttl
+  end
+  if mode == 'c' or mode == 'd' then
+    local allowed, remaining, reset, unconsumed, new, ttl = run(c, st, now, n, n, true)
+    if n > c.capacity then
+      local _, idle = run(c, st, now, 0, 0)
+      allowed, remaining, reset, unconsumed = false, idle, never_reset(c, now), idle
+    end
+    return allowed, remaining, reset, unconsumed, new, ttl
   end
   if n > c.capacity then
     local _, remaining = run(c, st, now, 0, 0)
@@ -572,6 +616,7 @@ end
 -- request has built but not yet written, tagged with the request in `pending_in`.
 local loaded_at, pending_at, pending_in, written_in = {}, {}, {}, {}
 local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
+local charged_of, charge_of = {}, {}
 -- A string key's state is written once per call, after the last request: the call is atomic,
 -- so nobody can see the states in between, and a key that many coalesced requests share (a
 -- global limit) costs one SET instead of one per request. The last state and its TTL are what
@@ -584,7 +629,7 @@ for r = 1, request_count do
   local deadline = ARGV[next_arg + 1]
   next_arg = next_arg + 2
   local first_check = next_check
-  local allowed_all, quotas, quota_passed = true, false, false
+  local allowed_all, quotas, quota_passed, charges = true, false, false, false
   if deadline ~= '' and now > deadline + 0 then
     -- Late: its caller has answered without it, so it reads and writes nothing.
     next_check, next_arg = next_check + count, next_arg + 2 * count
@@ -603,6 +648,10 @@ for r = 1, request_count do
         mode = 'p'
       elseif string.byte(hits) == 114 then -- 'r'
         mode, n = 'r', string.sub(hits, 2) + 0
+      elseif string.byte(hits) == 99 then -- 'c'
+        mode, n = 'c', string.sub(hits, 2) + 0
+      elseif string.byte(hits) == 100 then -- 'd'
+        mode, n = 'd', string.sub(hits, 2) + 0
       else
         n = hits + 0
       end
@@ -622,7 +671,10 @@ for r = 1, request_count do
       end
       local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
       allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
-      state_of[i], ttl_of[i] = new, ttl
+      state_of[i], ttl_of[i], charged_of[i], charge_of[i] = new, ttl, mode == 'c', n
+      if mode == 'c' then
+        charges = true
+      end
       if new then
         pending_at[s], pending_in[s] = new, r
       end
@@ -639,11 +691,33 @@ for r = 1, request_count do
       allowed_all = false
     end
 
+    -- A denied request's charges are recorded again on the stored state, so none carries the
+    -- hits of an earlier check of the same key that the denial leaves uncommitted.
+    if charges and not allowed_all then
+      local charged_at = {}
+      for i = 1, count do
+        if charged_of[i] then
+          local c, s = limit_of[first_check + i - 1], slot_of_check[first_check + i - 1]
+          local st = charged_at[s]
+          if st == nil then
+            st = loaded_at[s]
+          end
+          -- The answer stays the one decided with the request.
+          local _, _, _, _, new, ttl = assess(c, 'c', charge_of[i], st, now)
+          state_of[i], ttl_of[i] = new, ttl
+          if new then
+            charged_at[s] = new
+          end
+        end
+      end
+    end
+
     -- Write each key once, with its final state (a key checked twice carries both checks' hits).
-    if allowed_all then
+    -- A denied request writes only its charges, recorded whatever the answer.
+    if allowed_all or charges then
       for i = count, 1, -1 do
         local new, s = state_of[i], slot_of_check[first_check + i - 1]
-        if new and written_in[s] ~= r then
+        if new and (allowed_all or charged_of[i]) and written_in[s] ~= r then
           written_in[s] = r
           local c = limit_of[first_check + i - 1]
           if c.alg == 'swlc' then
@@ -662,7 +736,7 @@ for r = 1, request_count do
     end
     for i = 1, count do
       local remaining = remaining_of[i]
-      if not allowed_all and allowed_of[i] then
+      if not allowed_all and allowed_of[i] and not charged_of[i] then
         remaining = unconsumed_of[i]
       end
       replies = replies + 1

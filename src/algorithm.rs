@@ -10,6 +10,10 @@ use crate::limit::{Algorithm, Limit, MICROS_PER_SECOND};
 /// Extra life a key gets past the moment its state stops mattering.
 const EXPIRY_SLACK_US: u64 = MICROS_PER_SECOND;
 
+/// The most debt a charge leaves a token bucket or GCRA: ten years to drain, the longest period
+/// a limit may have, which keeps every sum exact in Lua's doubles.
+const MAX_DEBT_US: u64 = 10 * 365 * 86_400 * MICROS_PER_SECOND;
+
 /// The numbers one check is decided with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
@@ -58,6 +62,10 @@ pub enum Hits {
     Peek,
     /// `is_negative_hits`: give `n` hits back, never beyond a fresh state.
     Refund(u64),
+    /// A charge for work already done (a response's cost): decided as taking `n`, and recorded
+    /// whatever the answer, past the limit if need be (a token bucket or GCRA carries the excess
+    /// as debt), so the next requests are denied until it drains.
+    Charge(u64),
 }
 
 /// Stored state of one key.
@@ -155,6 +163,7 @@ pub fn assess(params: &Params, state: Option<&State>, now: u64, hits: Hits) -> A
         Hits::Take(n) => run(params, state, now, n, n),
         Hits::Peek => run(params, state, now, 1, 0),
         Hits::Refund(n) => refund(params, state, now, n),
+        Hits::Charge(n) => charge(params, state, now, n),
     }
 }
 
@@ -184,12 +193,37 @@ fn impossible(params: &Params, state: Option<&State>, now: u64) -> Assessment {
 
 /// Evaluates asking for `want` hits and, if allowed, taking `take` (`take <= want`).
 fn run(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Assessment {
+    decide(params, state, now, want, take, false)
+}
+
+/// Takes `n` whatever the answer: the verdict of asking for `n` (one that never fits says so, as
+/// a take would), and the state with them taken.
+fn charge(params: &Params, state: Option<&State>, now: u64, n: u64) -> Assessment {
+    let mut assessment = decide(params, state, now, n, n, true);
+    if n > params.capacity() {
+        let never = impossible(params, state, now);
+        assessment.verdict = never.verdict;
+        assessment.unconsumed_remaining = never.unconsumed_remaining;
+    }
+    assessment
+}
+
+/// [`run`], committing the take even when denied if `force`.
+fn decide(
+    params: &Params,
+    state: Option<&State>,
+    now: u64,
+    want: u64,
+    take: u64,
+    force: bool,
+) -> Assessment {
+    let step = Step { want, take, force };
     let raw = match params.algorithm {
-        Algorithm::FixedWindow => fixed_window(params, state, now, want, take),
-        Algorithm::SlidingWindowLog => sliding_log(params, state, now, want, take),
-        Algorithm::SlidingWindowCounter => sliding_counter(params, state, now, want, take),
-        Algorithm::TokenBucket => token_bucket(params, state, now, want, take),
-        Algorithm::Gcra => gcra(params, state, now, want, take),
+        Algorithm::FixedWindow => fixed_window(params, state, now, step),
+        Algorithm::SlidingWindowLog => sliding_log(params, state, now, step),
+        Algorithm::SlidingWindowCounter => sliding_counter(params, state, now, step),
+        Algorithm::TokenBucket => token_bucket(params, state, now, step),
+        Algorithm::Gcra => gcra(params, state, now, step),
     };
     let allowed = raw.verdict.allowed;
     Assessment {
@@ -202,9 +236,18 @@ fn run(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -
         } else {
             raw.verdict.remaining
         },
-        // Nothing to store when denied or when nothing is taken (a peek).
-        update: raw.update.filter(|_| allowed && take > 0),
+        // Nothing to store when denied (unless forced) or when nothing is taken (a peek).
+        update: raw.update.filter(|_| (allowed || force) && take > 0),
     }
+}
+
+/// What one evaluation asks: `want` hits decide, `take` are taken if allowed, or whatever the
+/// answer when `force`.
+#[derive(Clone, Copy)]
+struct Step {
+    want: u64,
+    take: u64,
+    force: bool,
 }
 
 /// Gives `n` hits back; never beyond a fresh state.
@@ -308,8 +351,9 @@ fn fixed_window_now(params: &Params, state: Option<&State>, now: u64) -> (u64, u
     }
 }
 
-fn fixed_window(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+fn fixed_window(params: &Params, state: Option<&State>, now: u64, step: Step) -> Raw {
     let (l, p) = (params.limit, params.period_us);
+    let Step { want, take, force } = step;
     let (window, count) = fixed_window_now(params, state, now);
     let reset = ((window + 1) * p).saturating_sub(now);
     if count + want <= l {
@@ -332,13 +376,20 @@ fn fixed_window(params: &Params, state: Option<&State>, now: u64, want: u64, tak
                 remaining: l.saturating_sub(count),
                 reset_us: reset,
             },
-            update: None,
+            update: force.then_some(Update {
+                state: State::Window {
+                    window,
+                    count: count.saturating_add(take),
+                },
+                ttl_us: reset + EXPIRY_SLACK_US,
+            }),
         }
     }
 }
 
-fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+fn sliding_log(params: &Params, state: Option<&State>, now: u64, step: Step) -> Raw {
     let (l, p) = (params.limit, params.period_us);
+    let Step { want, take, force } = step;
     let empty = VecDeque::new();
     let entries = match state {
         Some(State::Log { entries }) => entries,
@@ -352,7 +403,8 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
             .filter(move |(ts, _)| now < p || *ts > horizon)
     };
     let n: u64 = live().map(|(_, count)| count).sum();
-    if n + want <= l {
+    // The live entries with `take` hits added at now.
+    let taken = || {
         let newest = entries.back().map(|(ts, _)| *ts);
         let mut kept: VecDeque<(u64, u64)> = live().copied().collect();
         // Timestamps never move back, so the log stays sorted when the clock does.
@@ -363,20 +415,27 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
                 _ => kept.push_back((at, take)),
             }
         }
+        kept
+    };
+    let update = |kept: VecDeque<(u64, u64)>| {
+        let ahead = kept.back().map_or(0, |(ts, _)| ts.saturating_sub(now));
+        Update {
+            state: State::Log { entries: kept },
+            ttl_us: p + EXPIRY_SLACK_US + ahead,
+        }
+    };
+    if n + want <= l {
+        let kept = taken();
         let reset = kept
             .back()
             .map_or(0, |(ts, _)| (ts + p).saturating_sub(now));
-        let ahead = kept.back().map_or(0, |(ts, _)| ts.saturating_sub(now));
         Raw {
             verdict: Verdict {
                 allowed: true,
                 remaining: l - n - take,
                 reset_us: reset,
             },
-            update: Some(Update {
-                state: State::Log { entries: kept },
-                ttl_us: p + EXPIRY_SLACK_US + ahead,
-            }),
+            update: Some(update(kept)),
         }
     } else {
         // The request passes once the (n + want - L)-th oldest member leaves the window.
@@ -395,7 +454,7 @@ fn sliding_log(params: &Params, state: Option<&State>, now: u64, want: u64, take
                 remaining: l.saturating_sub(n),
                 reset_us: reset,
             },
-            update: None,
+            update: force.then(|| update(taken())),
         }
     }
 }
@@ -423,14 +482,9 @@ fn sliding_now(params: &Params, state: Option<&State>, now: u64) -> (u64, u64, u
     }
 }
 
-fn sliding_counter(
-    params: &Params,
-    state: Option<&State>,
-    clock_now: u64,
-    want: u64,
-    take: u64,
-) -> Raw {
+fn sliding_counter(params: &Params, state: Option<&State>, clock_now: u64, step: Step) -> Raw {
     let (l, p) = (params.limit, params.period_us);
+    let Step { want, take, force } = step;
     let (now, window, current, previous) = sliding_now(params, state, clock_now);
     let elapsed = now - window * p;
     let (lf, pf) = (l as f64, p as f64);
@@ -469,7 +523,14 @@ fn sliding_counter(
                 remaining: (lf - estimate).max(0.0).floor() as u64,
                 reset_us: reset,
             },
-            update: None,
+            update: force.then_some(Update {
+                state: State::Sliding {
+                    window,
+                    current: current.saturating_add(take),
+                    previous,
+                },
+                ttl_us: 2 * p + EXPIRY_SLACK_US + (now - clock_now),
+            }),
         }
     }
 }
@@ -527,7 +588,8 @@ fn bucket_ttl(params: &Params, tokens: f64) -> u64 {
     (missing * params.period_us as f64 / params.limit as f64).ceil() as u64 + EXPIRY_SLACK_US
 }
 
-fn token_bucket(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+fn token_bucket(params: &Params, state: Option<&State>, now: u64, step: Step) -> Raw {
+    let Step { want, take, force } = step;
     let (tokens, updated) = refilled_bucket(params, state, now);
     let rate_inverse = params.period_us as f64 / params.limit as f64;
     if tokens >= want as f64 {
@@ -545,18 +607,29 @@ fn token_bucket(params: &Params, state: Option<&State>, now: u64, want: u64, tak
             }),
         }
     } else {
+        // A charge leaves the bucket in debt (negative tokens), at most MAX_DEBT_US to refill.
+        let floor = params.burst as f64
+            - MAX_DEBT_US as f64 * params.limit as f64 / params.period_us as f64;
+        let owed = (tokens - take as f64).max(floor);
         Raw {
             verdict: Verdict {
                 allowed: false,
-                remaining: tokens.floor() as u64,
+                remaining: tokens.max(0.0).floor() as u64,
                 reset_us: ((want as f64 - tokens) * rate_inverse).ceil() as u64,
             },
-            update: None,
+            update: force.then(|| Update {
+                state: State::Bucket {
+                    tokens: owed,
+                    updated,
+                },
+                ttl_us: bucket_ttl(params, owed) + updated.saturating_sub(now),
+            }),
         }
     }
 }
 
-fn gcra(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -> Raw {
+fn gcra(params: &Params, state: Option<&State>, now: u64, step: Step) -> Raw {
+    let Step { want, take, force } = step;
     let t = params.emission_interval();
     let tau = params.burst.saturating_sub(1) * t;
     let tat0 = match state {
@@ -564,7 +637,7 @@ fn gcra(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) 
         _ => now,
     };
     // allow_at = tat0 + want*T - tau - T; written to stay in unsigned arithmetic.
-    let allowed = now + tau + t >= tat0 + want * t;
+    let allowed = now + tau + t >= tat0.saturating_add(want.saturating_mul(t));
     if allowed {
         let new_tat = tat0 + take * t;
         Raw {
@@ -579,15 +652,22 @@ fn gcra(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) 
             }),
         }
     } else {
-        let allow_at = tat0 + want * t - tau - t;
+        let allow_at = tat0.saturating_add(want.saturating_mul(t)) - tau - t;
         let remaining = (now + tau + t).saturating_sub(tat0) / t;
+        // A charge moves the arrival time on as debt, at most MAX_DEBT_US ahead.
+        let owed = tat0
+            .saturating_add(take.saturating_mul(t))
+            .min(now + MAX_DEBT_US);
         Raw {
             verdict: Verdict {
                 allowed: false,
                 remaining: remaining.min(params.burst),
                 reset_us: allow_at - now,
             },
-            update: None,
+            update: force.then_some(Update {
+                state: State::Gcra { tat: owed },
+                ttl_us: owed - now + EXPIRY_SLACK_US,
+            }),
         }
     }
 }

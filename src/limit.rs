@@ -213,6 +213,41 @@ pub struct Limit {
     /// Tells apart limits of one descriptor that share algorithm and period, so each keeps its
     /// own counter; 0 for the first.
     pub variant: u32,
+    /// Which hits are charges for work already done, recorded whatever the answer.
+    pub charge: Charge,
+}
+
+/// Which hits of a limit are charges: costs of work already done (a response's tokens), recorded
+/// whatever the answer, where other hits are taken only when the whole request is allowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Charge {
+    /// A descriptor's own `hits_addend` is a charge; the request's hits are not. This is how
+    /// Envoy (and Envoy Gateway's `responseCost`, AI Gateway's token costs) sends costs, so it
+    /// needs nothing in the config, which over xDS could not say it anyway.
+    #[default]
+    DescriptorHits,
+    /// Every hit is a charge, as envoyproxy/ratelimit counts every hit.
+    Always,
+    /// No hit is: a denied request takes nothing, whatever it carries.
+    Never,
+}
+
+impl Charge {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Charge::DescriptorHits => "descriptor_hits",
+            Charge::Always => "always",
+            Charge::Never => "never",
+        }
+    }
+
+    /// Parses the config spelling.
+    pub fn parse(name: &str) -> Option<Charge> {
+        [Charge::DescriptorHits, Charge::Always, Charge::Never]
+            .into_iter()
+            .find(|charge| charge.name() == name)
+    }
 }
 
 impl Limit {
@@ -228,6 +263,7 @@ impl Limit {
             quota_mode: false,
             replaces: Vec::new(),
             variant: 0,
+            charge: Charge::default(),
         }
     }
 

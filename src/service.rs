@@ -282,7 +282,7 @@ impl<S: Store> RateLimiter<S> {
             };
             let counters = self.metrics.limit(&request.domain, &path);
             let hits = match check.hits {
-                Hits::Take(n) => n,
+                Hits::Take(n) | Hits::Charge(n) => n,
                 Hits::Peek | Hits::Refund(_) => 0,
             };
             self.metrics.record_limit(

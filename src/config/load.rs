@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::model::{Config, Domain, Level, Node, PlanTable, Policy, Wildcard};
 use crate::config::yaml::{self, Pos, Value};
-use crate::limit::{Algorithm, Limit, Period, Unit};
+use crate::limit::{Algorithm, Charge, Limit, Period, Unit};
 
 /// A node of the raw YAML tree (as opposed to a [`Node`] of the config tree).
 type YNode = yaml::Node;
@@ -396,6 +396,7 @@ const LIMIT_KEYS: &[&str] = &[
     "burst",
     "unit_multiplier",
     "shadow_mode",
+    "charge",
 ];
 /// Keys allowed in a `replaces` entry.
 const REPLACES_KEYS: &[&str] = &["name"];
@@ -407,6 +408,7 @@ const LIMITED_ONLY_KEYS: &[&str] = &[
     "burst",
     "unit_multiplier",
     "shadow_mode",
+    "charge",
 ];
 
 /// A mapping's known entries, after its unknown keys have been reported.
@@ -1116,6 +1118,10 @@ impl Walker<'_> {
             None => Some(false),
             Some((_, flag)) => self.boolean("shadow_mode", flag),
         };
+        let charge = match fields.get("charge") {
+            None => Some(Charge::default()),
+            Some((_, value)) => self.charge(value),
+        };
         let (
             true,
             Some(unit),
@@ -1124,6 +1130,7 @@ impl Walker<'_> {
             Some(burst),
             Some(multiplier),
             Some(shadow),
+            Some(charge),
         ) = (
             ok,
             unit,
@@ -1132,6 +1139,7 @@ impl Walker<'_> {
             burst,
             multiplier,
             shadow,
+            charge,
         )
         else {
             return None;
@@ -1152,6 +1160,7 @@ impl Walker<'_> {
                 replaces: replaces.iter().map(|(name, _)| name.clone()).collect(),
                 quota_mode: false,
                 variant: 0,
+                charge,
             }),
             name,
             replaces,
@@ -1233,6 +1242,23 @@ impl Walker<'_> {
                 "invalid algorithm '{spelled}' (valid: {})",
                 valid.join(", ")
             ),
+        );
+        None
+    }
+
+    /// A limit's `charge:` policy.
+    fn charge(&mut self, node: &YNode) -> Option<Charge> {
+        if let Value::Str(text) = &node.value
+            && let Some(charge) = Charge::parse(text)
+        {
+            return Some(charge);
+        }
+        let spelled = node
+            .scalar_text(self.text)
+            .unwrap_or_else(|| self.describe(node));
+        self.error(
+            node.pos,
+            format!("invalid charge '{spelled}' (valid: descriptor_hits, always, never)"),
         );
         None
     }

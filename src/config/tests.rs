@@ -241,6 +241,7 @@ fn rlsd_extensions_load() {
                 replaces: vec![],
                 quota_mode: false,
                 variant: 0,
+                charge: Default::default(),
             },
             Limit {
                 name: Some("user_sustained".to_owned()),
@@ -252,6 +253,7 @@ fn rlsd_extensions_load() {
                 replaces: vec![],
                 quota_mode: false,
                 variant: 0,
+                charge: Default::default(),
             },
         ]
     );

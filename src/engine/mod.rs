@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use crate::algorithm::{Hits, Params};
 use crate::config::{Config, Domain, Node, Policy};
-use crate::limit::{Limit, Unit};
+use crate::limit::{Charge, Limit, Unit};
 use crate::store::Check;
 
 /// A limit Envoy sent with a descriptor (`RateLimitOverride`).
@@ -195,7 +195,7 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                     &entries,
                 ),
                 params: Params::of(&planned.limit),
-                hits,
+                hits: charged(hits, descriptor, planned.limit.charge),
                 shadow: planned.limit.shadow,
                 quota_mode: planned.limit.quota_mode,
             });
@@ -414,6 +414,19 @@ enum Matched<'c> {
     Limits(Cow<'c, str>, Option<&'c str>, &'c [Limit]),
     /// Envoy's own limit for the descriptor.
     Override(Limit),
+}
+
+/// `hits` as a charge (recorded whatever the answer) when the limit's policy says so: by
+/// default when the descriptor carries its own cost, as Envoy sends a response's.
+fn charged(hits: Hits, descriptor: &Descriptor, charge: Charge) -> Hits {
+    let Hits::Take(n) = hits else {
+        return hits;
+    };
+    match charge {
+        Charge::Always => Hits::Charge(n),
+        Charge::DescriptorHits if descriptor.hits_addend.is_some() => Hits::Charge(n),
+        Charge::DescriptorHits | Charge::Never => hits,
+    }
 }
 
 /// The descriptor's `hits_addend` wins over the request's; a request's 0 means 1.

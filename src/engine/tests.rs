@@ -166,7 +166,8 @@ fn hits_come_from_the_descriptor_then_the_request_then_one() {
     };
     assert_eq!(with(None, false, 0), Hits::Take(1));
     assert_eq!(with(None, false, 4), Hits::Take(4));
-    assert_eq!(with(Some(2), false, 4), Hits::Take(2));
+    // A descriptor's own hits are a charge (the limit's default `charge: descriptor_hits`).
+    assert_eq!(with(Some(2), false, 4), Hits::Charge(2));
     assert_eq!(with(Some(0), false, 4), Hits::Peek);
     assert_eq!(with(Some(3), true, 0), Hits::Refund(3));
     assert_eq!(with(None, true, 5), Hits::Refund(5));

@@ -265,7 +265,8 @@ fn cacheable(checks: &[Check]) -> Vec<bool> {
                 Hits::Peek => true,
                 Hits::Take(n) if n > params.capacity() => false,
                 Hits::Take(n) => n == 1 || params.algorithm == Algorithm::FixedWindow,
-                Hits::Refund(_) => false,
+                // Both must reach the store: one gives hits back, the other records them.
+                Hits::Refund(_) | Hits::Charge(_) => false,
             }
         })
         .collect()

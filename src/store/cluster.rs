@@ -166,17 +166,17 @@ impl ClusterStore {
 
     /// One slot group as one request of the script.
     async fn call(&self, checks: &[Check], budget: Budget) -> Result<Vec<Outcome>, StoreError> {
-        self.call_by(checks, budget, true).await
+        self.call_by(checks, budget, Call::Deciding).await
     }
 
-    /// [`ClusterStore::call`], the script bound by the budget's script deadline when `bounded`;
-    /// a refund is not: it must land however late, or the hits it gives back stay counted.
+    /// [`ClusterStore::call`] of a `kind`.
     async fn call_by(
         &self,
         checks: &[Check],
         budget: Budget,
-        bounded: bool,
+        kind: Call,
     ) -> Result<Vec<Outcome>, StoreError> {
+        let bounded = kind != Call::Refunding;
         let first = checks.first().map(|check| check.key.as_str());
         let source = first.map_or(0, |key| {
             BuildHasherDefault::<DefaultHasher>::default().hash_one(Slot::for_key(key))
@@ -194,7 +194,12 @@ impl ClusterStore {
             None
         };
         let requests = [(checks, deadline)];
-        let script_call = ScriptCall::new(self.fixed_clock.as_deref(), &requests);
+        let script_call = match kind {
+            Call::Evaluating => ScriptCall::evaluating(self.fixed_clock.as_deref(), &requests),
+            Call::Deciding | Call::Refunding => {
+                ScriptCall::new(self.fixed_clock.as_deref(), &requests)
+            }
+        };
         let mut connection = ClusterConnection::clone(&self.connection.load());
         // Owns what it needs, so it can finish after the caller stopped waiting. Never retried
         // after a timeout: the script may have run, and a retry could count twice.
@@ -204,7 +209,7 @@ impl ClusterStore {
             reply = &mut call => reply,
             () = tokio::time::sleep_until(budget.deadline.into()) => {
                 self.rebuild_connection();
-                if bounded {
+                if kind == Call::Deciding {
                     self.give_back_if_committed(call, checks.to_vec());
                 }
                 return Err(budget.exceeded());
@@ -301,6 +306,22 @@ fn group_by_slot(checks: &[Check]) -> Vec<Vec<(usize, Check)>> {
     groups
 }
 
+/// A slot group's checks, each with its index in the request.
+type Members = [(usize, Check)];
+
+/// What a slot group's call is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    /// Decides and commits, within the caller's budget; hits of an answer that comes too late
+    /// are given back.
+    Deciding,
+    /// Evaluates only (with the dry-run guard): charges are not recorded.
+    Evaluating,
+    /// Gives hits back, with no deadline on the script: it must land however late, or the hits
+    /// stay counted.
+    Refunding,
+}
+
 /// A check that always denies and touches nothing (L = 0), on a key the group already read:
 /// appended to a group, it makes the script evaluate the group without committing it.
 fn dry_run_guard(group: &[Check]) -> Option<Check> {
@@ -331,11 +352,43 @@ impl ClusterStore {
             .map(|group| group.iter().cloned().chain(dry_run_guard(group)).collect())
             .collect();
         join_all(guarded.iter().map(|group| async move {
-            let mut outcomes = self.call(group, budget).await?;
+            let mut outcomes = self.call_by(group, budget, Call::Evaluating).await?;
             outcomes.pop();
             Ok(outcomes)
         }))
         .await
+    }
+}
+
+impl ClusterStore {
+    /// Records the charges of a denied request, which count whatever the answer: each group
+    /// holding one runs with the guard, so only its charges are written.
+    /// Returns each such group's members with their outcomes.
+    async fn record_charges<'g>(
+        &self,
+        members: &'g [Vec<(usize, Check)>],
+        groups: &[Vec<Check>],
+        budget: Budget,
+    ) -> Result<Vec<(&'g Members, Vec<Outcome>)>, StoreError> {
+        let charged: Vec<(&'g Members, Vec<Check>)> = members
+            .iter()
+            .zip(groups)
+            .filter(|(_, group)| {
+                group
+                    .iter()
+                    .any(|check| matches!(check.hits, Hits::Charge(_)))
+            })
+            .map(|(members, group)| {
+                let guarded = group.iter().cloned().chain(dry_run_guard(group)).collect();
+                (members.as_slice(), guarded)
+            })
+            .collect();
+        let answers = join_all(charged.iter().map(|(_, group)| self.call(group, budget))).await;
+        charged
+            .iter()
+            .zip(answers)
+            .map(|((members, _), answer)| Ok((*members, answer?)))
+            .collect()
     }
 }
 
@@ -408,11 +461,20 @@ impl Store for ClusterStore {
                     outcomes[*index] = Some(outcome);
                 }
             }
-            let outcomes: Vec<Outcome> = outcomes
+            let mut outcomes: Vec<Outcome> = outcomes
                 .into_iter()
                 .collect::<Option<_>>()
                 .ok_or_else(|| StoreError::Protocol("a slot group had no answer".to_owned()))?;
             if !request_allowed(checks, &outcomes) {
+                // Charges count whatever the answer, and report what they took.
+                for (members, answer) in self.record_charges(&groups, &group_checks, budget).await?
+                {
+                    for ((index, check), outcome) in members.iter().zip(answer) {
+                        if matches!(check.hits, Hits::Charge(_)) {
+                            outcomes[*index] = outcome;
+                        }
+                    }
+                }
                 return Ok(outcomes);
             }
         }
@@ -456,7 +518,7 @@ impl Store for ClusterStore {
             let results = join_all(
                 refunds
                     .iter()
-                    .map(|refund| self.call_by(refund, refund_budget, false)),
+                    .map(|refund| self.call_by(refund, refund_budget, Call::Refunding)),
             )
             .await;
             for result in results {

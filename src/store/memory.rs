@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hashbrown::HashTable;
 
-use crate::algorithm::{self, State, Update};
+use crate::algorithm::{self, Hits, State, Update};
 use crate::clock::{Clock, SystemClock};
 
 use super::{Check, Outcome, Store, StoreError, request_allowed};
@@ -217,27 +217,53 @@ impl<C: Clock> MemoryStore<C> {
             assessments.push(algorithm::assess(&check.params, state, now, check.hits));
         }
 
-        let outcomes: Vec<Outcome> = assessments
+        let mut outcomes: Vec<Outcome> = assessments
             .iter()
             .map(|a| Outcome { verdict: a.verdict })
             .collect();
-        if !request_allowed(checks, &outcomes) {
-            return Ok(checks
-                .iter()
-                .zip(&assessments)
-                .map(|(_, a)| {
-                    let mut verdict = a.verdict;
-                    if verdict.allowed {
-                        verdict.remaining = a.unconsumed_remaining;
-                    }
-                    Outcome { verdict }
-                })
-                .collect());
+        let allowed = request_allowed(checks, &outcomes);
+        // A denied request commits nothing but its charges, which are recorded whatever the
+        // answer; its other checks report what they still have.
+        let commits = |check: &Check| allowed || matches!(check.hits, Hits::Charge(_));
+        if !allowed {
+            for ((check, assessment), outcome) in checks.iter().zip(&assessments).zip(&mut outcomes)
+            {
+                if outcome.verdict.allowed && !commits(check) {
+                    outcome.verdict.remaining = assessment.unconsumed_remaining;
+                }
+            }
+            if !checks.iter().any(commits) {
+                return Ok(outcomes);
+            }
+            // Its charges are recorded again on what is stored, so none carries the hits of an
+            // earlier check of the same key that the denial leaves uncommitted.
+            for i in 0..checks.len() {
+                let Hits::Charge(n) = checks[i].hits else {
+                    continue;
+                };
+                let at = located[i];
+                let earlier = (0..i).rev().find_map(|j| {
+                    (repeats(checks, &located, j, i) && matches!(checks[j].hits, Hits::Charge(_)))
+                        .then(|| assessments_update(&assessments, j))
+                        .flatten()
+                });
+                let stored = guards[guard_of(at.shard)]
+                    .1
+                    .get(at.hash, &checks[i].key)
+                    .filter(|entry| entry.expires_at > now)
+                    .map(|entry| &entry.state);
+                let state = earlier.map(|update| &update.state).or(stored);
+                // The answer stays the one decided with the request (as Redis Cluster, which
+                // commits by slot and refunds, reports it).
+                assessments[i].update =
+                    algorithm::assess(&checks[i].params, state, now, Hits::Charge(n)).update;
+            }
         }
 
         self.ensure_room(checks, &located, &mut guards, &guard_of, now)?;
         for ((check, assessment), at) in checks.iter().zip(assessments).zip(&located) {
-            let Some(Update { state, ttl_us }) = assessment.update else {
+            let Some(Update { state, ttl_us }) = assessment.update.filter(|_| commits(check))
+            else {
                 continue;
             };
             let expires_at = now.saturating_add(ttl_us);

@@ -721,6 +721,23 @@ impl ScriptCall {
         fixed_clock: Option<&dyn Clock>,
         requests: &[(&[Check], Option<u64>)],
     ) -> ScriptCall {
+        ScriptCall::build(fixed_clock, requests, false)
+    }
+
+    /// [`ScriptCall::new`] for a call that must write nothing (with a check that always
+    /// denies): its charges are evaluated as charges but not recorded when denied.
+    pub(super) fn evaluating(
+        fixed_clock: Option<&dyn Clock>,
+        requests: &[(&[Check], Option<u64>)],
+    ) -> ScriptCall {
+        ScriptCall::build(fixed_clock, requests, true)
+    }
+
+    fn build(
+        fixed_clock: Option<&dyn Clock>,
+        requests: &[(&[Check], Option<u64>)],
+        evaluating: bool,
+    ) -> ScriptCall {
         let keys: usize = requests.iter().map(|(checks, _)| checks.len()).sum();
         let key_bytes: usize = requests
             .iter()
@@ -779,8 +796,10 @@ impl ScriptCall {
                 match check.hits {
                     Hits::Take(n) => command.arg(n),
                     Hits::Peek => command.arg("p"),
-                    // Refunds are rare: one small allocation is fine.
+                    // Refunds and charges are rare: one small allocation is fine.
                     Hits::Refund(n) => command.arg(format!("r{n}")),
+                    Hits::Charge(n) if evaluating => command.arg(format!("d{n}")),
+                    Hits::Charge(n) => command.arg(format!("c{n}")),
                 };
             }
         }

@@ -430,10 +430,11 @@ fn random_checks(rng: &mut Lcg, quota: &mut Lcg, shapes: &[(String, Params)]) ->
     (0..1 + rng.next(3))
         .map(|_| {
             let (key, params) = &shapes[rng.next(shapes.len() as u64) as usize];
-            let hits = match rng.next(10) {
+            let hits = match rng.next(11) {
                 0 => Hits::Peek,
                 1 => Hits::Refund(1 + rng.next(3)),
                 2 => Hits::Take(1 + rng.next(25)),
+                3 => Hits::Charge(1 + rng.next(30)),
                 _ => Hits::Take(1),
             };
             Check {

@@ -7,6 +7,7 @@ mod admin_json;
 mod bad_input;
 mod behaviour;
 mod bench_client;
+mod charges;
 mod cli;
 mod cluster;
 mod config_health;

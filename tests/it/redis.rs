@@ -710,11 +710,12 @@ async fn a_big_hits_addend_on_a_sliding_log_writes_one_member() {
     )
     .await;
     let mut client = rlsd.client().await;
-    let mut ask = async |value: &str, hits: u64| {
-        let mut d = descriptor(&[("k", value)]);
-        d.hits_addend = Some(hits);
+    // The request's hits: plain counting (a descriptor's own would be a charge).
+    let mut ask = async |value: &str, hits: u32| {
+        let mut req = request("big", vec![descriptor(&[("k", value)])]);
+        req.hits_addend = hits;
         let response = client
-            .should_rate_limit(request("big", vec![d]))
+            .should_rate_limit(req)
             .await
             .expect("answer")
             .into_inner();

@@ -721,3 +721,46 @@ fn a_response_over_the_message_size_configures_nothing() {
     assert_eq!(codes(&taking, "sized", 2), [OK, OVER_LIMIT]);
     server.stop();
 }
+
+/// Envoy Gateway's response costs over xDS, where the config cannot say anything rlsd-specific:
+/// the descriptor's own `hits_addend` is a charge, recorded past the limit, so the next check
+/// is over (the sequence AI Gateway's token budgets send).
+#[test]
+fn a_charge_past_a_limit_pushed_over_xds_is_recorded() {
+    let server = AdsServer::start("127.0.0.1:0".parse().unwrap(), Arc::default());
+    server.push("1", limits("user", 1000, RateLimitUnit::Hour));
+    let addr = server.addr.to_string();
+    let rlsd = Rlsd::serve(["--config-xds", &addr]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let answers = runtime.block_on(async {
+        let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+            .await
+            .expect("connect");
+        let mut answers = Vec::new();
+        for cost in [0, 800, 0, 500, 0] {
+            let mut d = descriptor(&[("user", "u")]);
+            d.hits_addend = Some(cost);
+            let answer = client
+                .should_rate_limit(request("xds", vec![d]))
+                .await
+                .expect("answer")
+                .into_inner();
+            answers.push((answer.overall_code, answer.statuses[0].limit_remaining));
+        }
+        answers
+    });
+    assert_eq!(
+        answers,
+        [
+            (OK, 1000),
+            (OK, 200),
+            (OK, 200),
+            (OVER_LIMIT, 200),
+            (OVER_LIMIT, 0)
+        ]
+    );
+    server.stop();
+}
