@@ -10,6 +10,7 @@ mod bench_client;
 mod cli;
 mod cluster;
 mod config_health;
+mod connection_limits;
 mod deploy;
 mod envoy_wire;
 mod grpc;
