@@ -51,7 +51,8 @@ pub(crate) struct BodyLimits {
     budget: usize,
     /// Bytes received on bodies that were waiting for more when last read.
     held: AtomicUsize,
-    /// Set while bodies are being refused for the budget, so that an episode is logged once.
+    /// Set from the first refusal until the bytes held fall under half the budget, so that an
+    /// episode of refusals is logged once.
     refusing: AtomicBool,
 }
 
@@ -88,9 +89,6 @@ impl BodyLimits {
     fn charge(&self, bytes: usize) -> Result<(), BodyRefused> {
         let before = self.held.fetch_add(bytes, Ordering::Relaxed);
         if before.saturating_add(bytes) <= self.budget {
-            if self.refusing.load(Ordering::Relaxed) {
-                self.refusing.store(false, Ordering::Relaxed);
-            }
             return Ok(());
         }
         self.held.fetch_sub(bytes, Ordering::Relaxed);
@@ -104,8 +102,18 @@ impl BodyLimits {
     }
 
     fn release(&self, bytes: usize) {
-        if bytes > 0 {
-            self.held.fetch_sub(bytes, Ordering::Relaxed);
+        if bytes == 0 {
+            return;
+        }
+        let after = self.held.fetch_sub(bytes, Ordering::Relaxed) - bytes;
+        if after < self.budget / 2
+            && self.refusing.load(Ordering::Relaxed)
+            && self.refusing.swap(false, Ordering::Relaxed)
+        {
+            tracing::info!(
+                held = after,
+                "request bodies still arriving are under half the budget"
+            );
         }
     }
 }
