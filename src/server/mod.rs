@@ -490,10 +490,10 @@ pub fn disable_transparent_huge_pages() -> std::io::Result<()> {
     }
 }
 
-/// Raises the soft limit on open file descriptors to the hard limit, as Go's runtime and nginx
-/// do, and returns the new limit. Each connection is a descriptor; a soft limit of 1024 (a
-/// common default) or 256 lets a few hundred idle connections lock every new client out. The
-/// hard limit is what an administrator meant to allow; the soft one is rarely set on purpose.
+/// Raises the soft limit on open file descriptors to the hard limit, as Go's runtime does, and
+/// returns the new limit. Each connection is a descriptor; a soft limit of 1024 (a common
+/// default) or 256 lets a few hundred idle connections lock every new client out. The hard
+/// limit is what an administrator meant to allow; the soft one is rarely set on purpose.
 ///
 /// # Errors
 /// When the limit cannot be read or set.
