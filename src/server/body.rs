@@ -68,18 +68,6 @@ impl BodyLimits {
         })
     }
 
-    /// `body`, held to these limits.
-    pub(crate) fn guard<B>(self: &Arc<Self>, body: B) -> GuardedBody<B> {
-        GuardedBody {
-            inner: body,
-            limits: Arc::clone(self),
-            received: 0,
-            charged: 0,
-            deadline: None,
-            ended: false,
-        }
-    }
-
     /// Bytes now charged to the budget.
     #[cfg(test)]
     fn held(&self) -> usize {
@@ -118,12 +106,50 @@ impl BodyLimits {
     }
 }
 
+/// One connection's handle on the [`BodyLimits`] every connection shares. The bodies of its
+/// requests count their references on the handle, so that requests on different serving
+/// threads write to no common cache line unless a body has to wait. Each clone is a new handle:
+/// clone it once per connection.
+pub(crate) struct BodyGuard(Arc<Handle>);
+
+/// What a [`BodyGuard`]'s bodies share with it.
+struct Handle {
+    limits: Arc<BodyLimits>,
+}
+
+impl BodyGuard {
+    /// A handle on `limits`.
+    pub(crate) fn new(limits: &Arc<BodyLimits>) -> BodyGuard {
+        BodyGuard(Arc::new(Handle {
+            limits: Arc::clone(limits),
+        }))
+    }
+
+    /// `body`, held to the limits.
+    pub(crate) fn guard<B>(&self, body: B) -> GuardedBody<B> {
+        GuardedBody {
+            inner: body,
+            handle: Arc::clone(&self.0),
+            received: 0,
+            charged: 0,
+            deadline: None,
+            ended: false,
+        }
+    }
+}
+
+impl Clone for BodyGuard {
+    fn clone(&self) -> Self {
+        BodyGuard::new(&self.0.limits)
+    }
+}
+
 /// A request body held to [`BodyLimits`]: each time it has to wait for more, the bytes it has
 /// received so far are charged to the budget, and its deadline runs from its first wait. It
 /// gives its charge back when it ends or is dropped.
 pub(crate) struct GuardedBody<B> {
     inner: B,
-    limits: Arc<BodyLimits>,
+    handle: Arc<Handle>,
     /// DATA bytes received so far.
     received: usize,
     /// Of those, the bytes charged to the budget.
@@ -138,7 +164,9 @@ impl<B> GuardedBody<B> {
     fn end(&mut self) {
         self.ended = true;
         self.deadline = None;
-        self.limits.release(std::mem::take(&mut self.charged));
+        self.handle
+            .limits
+            .release(std::mem::take(&mut self.charged));
     }
 
     fn refuse(&mut self, refused: BodyRefused) -> tonic::Status {
@@ -150,7 +178,7 @@ impl<B> GuardedBody<B> {
 
 impl<B> Drop for GuardedBody<B> {
     fn drop(&mut self) {
-        self.limits.release(self.charged);
+        self.handle.limits.release(self.charged);
     }
 }
 
@@ -188,12 +216,12 @@ where
             Poll::Pending => {
                 let uncharged = this.received - this.charged;
                 if uncharged > 0 {
-                    if let Err(refused) = this.limits.charge(uncharged) {
+                    if let Err(refused) = this.handle.limits.charge(uncharged) {
                         return Poll::Ready(Some(Err(this.refuse(refused))));
                     }
                     this.charged = this.received;
                 }
-                let timeout = this.limits.timeout;
+                let timeout = this.handle.limits.timeout;
                 let deadline = this
                     .deadline
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
@@ -273,7 +301,7 @@ mod tests {
     #[tokio::test]
     async fn a_body_that_arrives_whole_is_never_charged() {
         let limits = BodyLimits::new(Duration::from_secs(5), 10);
-        let mut body = limits.guard(chunks(&[100, 100], true));
+        let mut body = BodyGuard::new(&limits).guard(chunks(&[100, 100], true));
         let (read, error, ended) = read_until_wait(&mut body);
         assert_eq!((read, error.is_none(), ended), (200, true, true));
         assert_eq!(limits.held(), 0);
@@ -282,9 +310,11 @@ mod tests {
     #[tokio::test]
     async fn waiting_bodies_are_charged_until_the_budget_then_refused_and_give_it_back() {
         let limits = BodyLimits::new(Duration::from_secs(5), 250);
-        let mut first = limits.guard(chunks(&[100], false));
-        let mut second = limits.guard(chunks(&[100], false));
-        let mut third = limits.guard(chunks(&[100], false));
+        // Two connections: the budget is theirs together.
+        let (one, other) = (BodyGuard::new(&limits), BodyGuard::new(&limits));
+        let mut first = one.guard(chunks(&[100], false));
+        let mut second = other.guard(chunks(&[100], false));
+        let mut third = one.clone().guard(chunks(&[100], false));
         assert!(read_until_wait(&mut first).1.is_none());
         assert!(read_until_wait(&mut second).1.is_none());
         assert_eq!(limits.held(), 200);
@@ -293,7 +323,7 @@ mod tests {
         assert_eq!(limits.held(), 200, "a refused body holds nothing");
         drop(first);
         assert_eq!(limits.held(), 100);
-        let mut fourth = limits.guard(chunks(&[100], false));
+        let mut fourth = other.guard(chunks(&[100], false));
         assert!(read_until_wait(&mut fourth).1.is_none(), "room again");
         drop((second, fourth));
         assert_eq!(limits.held(), 0);
@@ -303,7 +333,7 @@ mod tests {
     async fn a_body_that_stops_short_is_refused_at_its_deadline() {
         let timeout = Duration::from_millis(50);
         let limits = BodyLimits::new(timeout, 1 << 20);
-        let mut body = limits.guard(chunks(&[100], false));
+        let mut body = BodyGuard::new(&limits).guard(chunks(&[100], false));
         let first = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
         assert!(matches!(first, Some(Ok(_))));
         let started = tokio::time::Instant::now();

@@ -22,13 +22,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::accept;
-use super::body::{BodyLimits, GuardedBody};
+use super::body::{BodyGuard, BodyLimits, GuardedBody};
 
-/// A router whose requests' bodies are held to [`BodyLimits`].
+/// A router whose requests' bodies are held to [`BodyLimits`]; clone it once per connection.
 #[derive(Clone)]
 pub(super) struct Guarded {
     router: TowerToHyperService<Router>,
-    bodies: Arc<BodyLimits>,
+    bodies: BodyGuard,
 }
 
 impl Guarded {
@@ -36,7 +36,7 @@ impl Guarded {
     pub(super) fn new(router: Router, bodies: Arc<BodyLimits>) -> Guarded {
         Guarded {
             router: TowerToHyperService::new(router),
-            bodies,
+            bodies: BodyGuard::new(&bodies),
         }
     }
 }

@@ -286,7 +286,7 @@ pub async fn run_with<S: Store>(
         others: Routes::new(health_service)
             .add_service(reflection)
             .prepare(),
-        bodies: Arc::clone(&bodies),
+        bodies: body::BodyGuard::new(&bodies),
     };
     let lanes = match options.lanes {
         0 => None,
@@ -363,8 +363,8 @@ pub async fn run_with<S: Store>(
 struct GrpcRoutes<S: Store> {
     rate_limit: RateLimitServiceServer<RateLimiter<S>>,
     others: Routes,
-    /// Every request body is held to these.
-    bodies: Arc<body::BodyLimits>,
+    /// Every request body is held to these (a clone is a handle for another connection).
+    bodies: body::BodyGuard,
 }
 
 impl<S: Store> Clone for GrpcRoutes<S> {
@@ -372,7 +372,7 @@ impl<S: Store> Clone for GrpcRoutes<S> {
         GrpcRoutes {
             rate_limit: self.rate_limit.clone(),
             others: self.others.clone(),
-            bodies: Arc::clone(&self.bodies),
+            bodies: self.bodies.clone(),
         }
     }
 }
