@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 
 use crate::engine::KeySettings;
 use crate::metrics::DEFAULT_NEAR_LIMIT_RATIO;
-use crate::server::{self, ServeOptions};
+use crate::server::{self, ConnectionLimits, ServeOptions};
 use crate::service::{FailureMode, HeaderStyle, RequestLimits, ServiceSettings};
 use crate::store::memory::DEFAULT_MAX_KEYS;
 use crate::store::redis::SentinelTarget;
@@ -340,6 +340,29 @@ pub struct ServeArgs {
     /// `ratelimit_service_should_rate_limit_duration_milliseconds`, instead of in seconds.
     #[arg(long, env = "RLSD_LATENCY_MILLISECONDS")]
     pub latency_milliseconds: bool,
+    /// Close a gRPC connection that has sent no request this many milliseconds after it was
+    /// accepted (after its TLS handshake, with TLS).
+    #[arg(long, env = "RLSD_GRPC_FIRST_REQUEST_TIMEOUT_MS", value_name = "MS", default_value_t = millis(ConnectionLimits::DEFAULT_FIRST_REQUEST_TIMEOUT), value_parser = at_least_one_ms)]
+    pub grpc_first_request_timeout_ms: u64,
+    /// Send a gRPC connection GOAWAY after this many seconds, give or take 10 %, so that clients
+    /// reconnect and spread over replicas (0: never).
+    #[arg(long, env = "RLSD_GRPC_MAX_CONNECTION_AGE_SECONDS", value_name = "SECONDS", default_value_t = ConnectionLimits::DEFAULT_MAX_CONNECTION_AGE.as_secs_f64())]
+    pub grpc_max_connection_age_seconds: f64,
+    /// After that GOAWAY: seconds the calls in flight have before the connection is closed.
+    #[arg(long, env = "RLSD_GRPC_MAX_CONNECTION_AGE_GRACE_SECONDS", value_name = "SECONDS", default_value_t = ConnectionLimits::DEFAULT_MAX_CONNECTION_AGE_GRACE.as_secs_f64())]
+    pub grpc_max_connection_age_grace_seconds: f64,
+    /// Refuse a request body (gRPC: DEADLINE_EXCEEDED) that has not ended this many
+    /// milliseconds after it first waited for more.
+    #[arg(long, env = "RLSD_REQUEST_BODY_TIMEOUT_MS", value_name = "MS", default_value_t = millis(ConnectionLimits::DEFAULT_REQUEST_BODY_TIMEOUT), value_parser = at_least_one_ms)]
+    pub request_body_timeout_ms: u64,
+    /// Most bytes that request bodies still arriving may hold, over every connection and port;
+    /// a body that would wait for more beyond it is refused (gRPC: RESOURCE_EXHAUSTED).
+    #[arg(long, env = "RLSD_MAX_BUFFERED_REQUEST_BYTES", value_name = "BYTES", default_value_t = ConnectionLimits::DEFAULT_MAX_BUFFERED_REQUEST_BYTES, value_parser = at_least_one)]
+    pub max_buffered_request_bytes: usize,
+    /// On the HTTP ports (admin, debug, metrics): milliseconds a client has to send each
+    /// request head, after connecting or after the previous answer, before it is disconnected.
+    #[arg(long, env = "RLSD_HTTP_HEADER_TIMEOUT_MS", value_name = "MS", default_value_t = millis(ConnectionLimits::DEFAULT_HTTP_HEADER_TIMEOUT), value_parser = at_least_one_ms)]
+    pub http_header_timeout_ms: u64,
     /// Usage ratio (0 to 1) above which allowed hits also count in `near_limit`.
     #[arg(long, env = "RLSD_NEAR_LIMIT_RATIO", default_value_t = DEFAULT_NEAR_LIMIT_RATIO, value_parser = ratio)]
     pub near_limit_ratio: f64,
@@ -602,7 +625,7 @@ impl ServeArgs {
         Ok(Some(Arc::new(tls)))
     }
 
-    /// How the server drains, stops and spreads connections, with the gRPC port's `tls`.
+    /// How the server drains, stops, spreads and bounds connections, with the gRPC port's `tls`.
     pub fn serve_options(
         &self,
         tls: Option<Arc<TlsSettings>>,
@@ -610,6 +633,10 @@ impl ServeArgs {
         let seconds = |value: f64, flag| {
             Duration::try_from_secs_f64(value).map_err(|_| SettingsError::Seconds { flag })
         };
+        let age = seconds(
+            self.grpc_max_connection_age_seconds,
+            "grpc-max-connection-age-seconds",
+        )?;
         Ok(ServeOptions {
             drain: seconds(self.drain_seconds, "drain-seconds")?,
             shutdown_grace: seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds")?,
@@ -617,6 +644,17 @@ impl ServeArgs {
             lanes: self.serving_lanes(),
             admin_json_writes: self.admin_json_writes,
             health_needs_config: self.healthy_with_at_least_one_config_loaded,
+            limits: ConnectionLimits {
+                first_request_timeout: Duration::from_millis(self.grpc_first_request_timeout_ms),
+                request_body_timeout: Duration::from_millis(self.request_body_timeout_ms),
+                max_buffered_request_bytes: self.max_buffered_request_bytes,
+                max_connection_age: (!age.is_zero()).then_some(age),
+                max_connection_age_grace: seconds(
+                    self.grpc_max_connection_age_grace_seconds,
+                    "grpc-max-connection-age-grace-seconds",
+                )?,
+                http_header_timeout: Duration::from_millis(self.http_header_timeout_ms),
+            },
         })
     }
 
@@ -723,4 +761,18 @@ fn at_least_one(text: &str) -> Result<usize, String> {
         Ok(n) => Ok(n),
         Err(error) => Err(error.to_string()),
     }
+}
+
+/// Parses a number of milliseconds that must be at least 1 (a zero timeout would refuse all).
+fn at_least_one_ms(text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// A default duration as a flag's milliseconds.
+const fn millis(duration: Duration) -> u64 {
+    duration.as_millis() as u64
 }

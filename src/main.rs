@@ -74,6 +74,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         tracing::warn!(%error, "cannot turn transparent huge pages off");
     }
+    match server::raise_open_files_limit() {
+        Ok(limit) => tracing::info!(limit, "open file descriptor limit"),
+        Err(error) => tracing::warn!(%error, "cannot raise the open file descriptor limit"),
+    }
     // Everything the flags can get wrong is refused before any port opens.
     let store_settings = args.store_settings()?;
     let loaded = match &args.config {

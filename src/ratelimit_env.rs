@@ -60,10 +60,6 @@ impl ServeFlags {
 /// (or has always on), each group with the reason; named in one line at start when set.
 pub const IGNORED: &[(&[&str], &str)] = &[
     (
-        &["GRPC_MAX_CONNECTION_AGE", "GRPC_MAX_CONNECTION_AGE_GRACE"],
-        "rlsd closes no connection for its age",
-    ),
-    (
         &[
             "USE_DOG_STATSD",
             "USE_DOG_STATSD_MOGRIFIERS",
@@ -372,6 +368,20 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
                 .into(),
         );
     }
+    for (variable, flag) in [
+        ("GRPC_MAX_CONNECTION_AGE", "grpc-max-connection-age-seconds"),
+        (
+            "GRPC_MAX_CONNECTION_AGE_GRACE",
+            "grpc-max-connection-age-grace-seconds",
+        ),
+    ] {
+        if let Some(text) = get(variable) {
+            let duration = go_duration(&text)
+                .ok_or_else(|| invalid(variable, &text, "a duration such as 24h or 30m"))?;
+            flags.flag(flag, duration.as_secs_f64().to_string());
+        }
+    }
+
     // Theirs sends statsd unless told not to.
     if stats && (get("USE_STATSD").is_none() || boolean("USE_STATSD", get("USE_STATSD"))?) {
         flags

@@ -764,3 +764,44 @@ fn quota_mode_dynamic_metadata_timeouts_and_stats_map_to_flags() {
         assert!(error.to_string().starts_with(variable), "{error}");
     }
 }
+
+#[test]
+fn connection_age_variables_become_the_age_flags_in_seconds() {
+    let flags = read(&[
+        ("GRPC_MAX_CONNECTION_AGE", "1h30m"),
+        ("GRPC_MAX_CONNECTION_AGE_GRACE", "90s"),
+    ])
+    .expect("supported");
+    assert_eq!(
+        value(&flags, "grpc-max-connection-age-seconds"),
+        Some("5400")
+    );
+    assert_eq!(
+        value(&flags, "grpc-max-connection-age-grace-seconds"),
+        Some("90")
+    );
+    let command_line = ["rlsd".to_owned(), "serve".to_owned()]
+        .into_iter()
+        .chain(flags.args.iter().cloned());
+    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(command_line).expect("rlsd flags");
+    let crate::cli::Command::Serve(args) = cli.command else {
+        panic!("not serve");
+    };
+    let limits = args.serve_options(None).expect("valid").limits;
+    assert_eq!(
+        limits.max_connection_age,
+        Some(std::time::Duration::from_secs(5400))
+    );
+    assert_eq!(
+        limits.max_connection_age_grace,
+        std::time::Duration::from_secs(90)
+    );
+    assert_eq!(
+        read(&[("GRPC_MAX_CONNECTION_AGE", "a day")]),
+        Err(invalid(
+            "GRPC_MAX_CONNECTION_AGE",
+            "a day",
+            "a duration such as 24h or 30m"
+        ))
+    );
+}

@@ -42,10 +42,11 @@ pub(super) fn dispatch<S: Store>(
     lanes: Option<&lanes::Lanes>,
     tls: Option<Arc<TlsSettings>>,
     routes: GrpcRoutes<S>,
+    times: connection::Times,
     closing: watch::Receiver<bool>,
 ) {
     let Some(lanes) = lanes else {
-        tokio::spawn(serve(accepted, tls, routes, closing));
+        tokio::spawn(serve(accepted, tls, routes, times, closing));
         return;
     };
     // Registered with this runtime's reactor, the socket would wake this runtime's threads for
@@ -69,7 +70,7 @@ pub(super) fn dispatch<S: Store>(
             Detached::Unix(socket) => UnixStream::from_std(socket).map(Accepted::Unix),
         };
         match attached {
-            Ok(accepted) => serve(accepted, tls, routes, closing).await,
+            Ok(accepted) => serve(accepted, tls, routes, times, closing).await,
             Err(error) => tracing::debug!(%error, "cannot register a connection on its lane"),
         }
     });
@@ -80,11 +81,14 @@ async fn serve<S: Store>(
     accepted: Accepted,
     tls: Option<Arc<TlsSettings>>,
     routes: GrpcRoutes<S>,
+    times: connection::Times,
     mut closing: watch::Receiver<bool>,
 ) {
     match (accepted, tls) {
-        (Accepted::Unix(socket), _) => connection::serve(socket, routes, closing).await,
-        (Accepted::Tcp(socket, _), None) => connection::serve(socket, routes, closing).await,
+        (Accepted::Unix(socket), _) => connection::serve(socket, routes, times, closing).await,
+        (Accepted::Tcp(socket, _), None) => {
+            connection::serve(socket, routes, times, closing).await;
+        }
         (Accepted::Tcp(socket, peer), Some(tls)) => {
             let handshake =
                 crate::tls::handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
@@ -94,37 +98,72 @@ async fn serve<S: Store>(
                 _ = closing.wait_for(|closing| *closing) => None,
             };
             if let Some(tls_connection) = handshaken {
-                connection::serve(tls_connection, routes, closing).await;
+                connection::serve(tls_connection, routes, times, closing).await;
             }
         }
     }
 }
 
 /// The next connection on `listener`, with `TCP_NODELAY` set; accept errors are logged and
-/// retried (after a pause when they are not about the one connection).
-async fn tcp(listener: &TcpListener) -> (TcpStream, SocketAddr) {
+/// retried, after a pause when they are not about the one connection (see [`AcceptErrors`]).
+pub(super) async fn tcp(listener: &TcpListener) -> (TcpStream, SocketAddr) {
+    let mut errors = AcceptErrors::default();
     loop {
         match listener.accept().await {
             Ok((socket, peer)) => {
+                errors.recovered();
                 if let Err(error) = socket.set_nodelay(true) {
                     tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
                 }
                 return (socket, peer);
             }
-            Err(error) if per_connection(&error) => {
-                tracing::debug!(%error, "accept failed");
-            }
-            Err(error) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(%error, "accept failed; retrying shortly");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            Err(error) => errors.pause(&error).await,
+        }
+    }
+}
+
+/// Shortest pause after an accept error that is not about one connection.
+const MIN_ACCEPT_PAUSE: Duration = Duration::from_millis(5);
+/// Longest pause: once descriptors are free again, connections wait at most this long.
+const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
+
+/// A run of accept errors. One about the listener rather than one connection (out of file
+/// descriptors, above all) fails again at once if retried at once, and the connection stays
+/// queued: so the loop pauses, doubling from 5 ms to 1 s as Go's `net/http` does, instead of
+/// spinning, and logs a warning once per run, not per attempt.
+#[derive(Default)]
+pub(super) struct AcceptErrors {
+    failures: u32,
+    pause: Duration,
+}
+
+impl AcceptErrors {
+    /// Logs `error` and pauses, unless it concerns only the connection being accepted.
+    pub(super) async fn pause(&mut self, error: &std::io::Error) {
+        if per_connection(error) {
+            tracing::debug!(%error, "accept failed");
+            return;
+        }
+        self.failures += 1;
+        self.pause = (self.pause * 2).clamp(MIN_ACCEPT_PAUSE, MAX_ACCEPT_PAUSE);
+        if self.failures == 1 {
+            tracing::warn!(%error, "accept failed; retrying, pausing up to 1 s between attempts");
+        } else {
+            tracing::debug!(%error, failures = self.failures, pause = ?self.pause, "accept failed again");
+        }
+        tokio::time::sleep(self.pause).await;
+    }
+
+    /// Logs the end of a run of failures, if there was one.
+    pub(super) fn recovered(&self) {
+        if self.failures > 0 {
+            tracing::info!(failures = self.failures, "accepting connections again");
         }
     }
 }
 
 /// Whether an accept error concerns only the one connection being accepted.
-pub(super) fn per_connection(error: &std::io::Error) -> bool {
+fn per_connection(error: &std::io::Error) -> bool {
     use std::io::ErrorKind;
     matches!(
         error.kind(),

@@ -43,11 +43,61 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 type StreamTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// How long a connection may wait for its first request, and live.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Times {
+    first_request: Duration,
+    max_age: Option<Duration>,
+    age_grace: Duration,
+}
+
+impl From<&super::ConnectionLimits> for Times {
+    fn from(limits: &super::ConnectionLimits) -> Self {
+        Times {
+            first_request: limits.first_request_timeout,
+            max_age: limits.max_connection_age,
+            age_grace: limits.max_connection_age_grace,
+        }
+    }
+}
+
+/// Spread of each connection's age around the configured one, as gRPC's own servers do, so that
+/// connections opened together (every Envoy after a deploy) are not closed together.
+const AGE_JITTER: f64 = 0.1;
+
+/// `age` spread by `draw` (from 0 to 1) over `age * (1 ± AGE_JITTER)`.
+fn jittered(age: Duration, draw: f64) -> Duration {
+    age.mul_f64(1.0 + AGE_JITTER * (2.0 * draw.clamp(0.0, 1.0) - 1.0))
+}
+
+/// A draw from 0 to 1, different for each connection.
+fn draw() -> f64 {
+    let seed = foldhash::fast::RandomState::default();
+    let bits = std::hash::BuildHasher::hash_one(&seed, std::time::SystemTime::now());
+    bits as f64 / u64::MAX as f64
+}
+
+/// How the wait on a connection ended.
+enum Ended<T> {
+    /// The connection ended by itself.
+    Served(T),
+    /// The server is shutting down.
+    Closing,
+    /// The connection reached its age.
+    Aged,
+}
+
 /// Serves `io` as one HTTP/2 connection until the peer leaves or `closing` turns true (or its
 /// sender goes): then the connection is shut down gracefully, letting the streams in flight
-/// finish. Holds `closing` until the connection has ended.
-pub(crate) async fn serve<I, S, B>(io: I, service: S, mut closing: watch::Receiver<bool>)
-where
+/// finish. Holds `closing` until the connection has ended. A connection that sends no request
+/// within `times.first_request` is closed; one that reaches its age (`times.max_age` ± 10 %) is
+/// shut down gracefully too, and closed if its calls take longer than `times.age_grace`.
+pub(crate) async fn serve<I, S, B>(
+    io: I,
+    service: S,
+    times: Times,
+    mut closing: watch::Receiver<bool>,
+) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::Service<::http::Request<Incoming>, Response = ::http::Response<B>>
         + Send
@@ -70,15 +120,48 @@ where
         builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service)
     };
     let mut served = Served::new(queue, connection);
-    let closed_early = tokio::select! {
-        result = &mut served => Some(result),
-        _ = closing.wait_for(|closing| *closing) => None,
+    let first_request = tokio::time::sleep(times.first_request);
+    let mut awaiting_first = true;
+    let age = times.max_age.map(|age| jittered(age, draw()));
+    let aged = async move {
+        match age {
+            Some(age) => tokio::time::sleep(age).await,
+            None => std::future::pending().await,
+        }
     };
-    let result = match closed_early {
-        Some(result) => result,
-        None => {
+    tokio::pin!(first_request, aged);
+    let ended = loop {
+        tokio::select! {
+            result = &mut served => break Ended::Served(result),
+            _ = closing.wait_for(|closing| *closing) => break Ended::Closing,
+            () = &mut aged => break Ended::Aged,
+            () = &mut first_request, if awaiting_first => {
+                if !served.started {
+                    // Nothing in flight to finish: no GOAWAY, which a silent peer would never
+                    // acknowledge.
+                    tracing::debug!(timeout = ?times.first_request, "no request in time; closing the connection");
+                    return;
+                }
+                awaiting_first = false;
+            }
+        }
+    };
+    let result = match ended {
+        Ended::Served(result) => result,
+        Ended::Closing => {
             served.connection().graceful_shutdown();
             served.await
+        }
+        Ended::Aged => {
+            tracing::debug!(?age, "connection reached its age; sending GOAWAY");
+            served.connection().graceful_shutdown();
+            match tokio::time::timeout(times.age_grace, &mut served).await {
+                Ok(result) => result,
+                Err(_) => {
+                    tracing::debug!(grace = ?times.age_grace, "calls outlasted the connection's age grace; closing it");
+                    return;
+                }
+            }
         }
     };
     if let Err(error) = result {
@@ -179,6 +262,8 @@ impl Wake for Shared {
 /// A connection and the streams it spawned, polled together by one task.
 struct Served<C> {
     connection: Pin<Box<C>>,
+    /// Whether the connection has spawned a stream yet.
+    started: bool,
     streams: FuturesUnordered<StreamTask>,
     /// Where queued streams are moved to under the lock, kept to reuse its allocation.
     adopted: Vec<StreamTask>,
@@ -192,6 +277,7 @@ impl<C: Future> Served<C> {
         let shared = queue.0;
         Served {
             connection: Box::pin(connection),
+            started: false,
             streams: FuturesUnordered::new(),
             adopted: Vec::new(),
             waker: Waker::from(Arc::clone(&shared)),
@@ -210,6 +296,7 @@ impl<C: Future> Future for Served<C> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
         let Served {
             connection,
+            started,
             streams,
             adopted,
             shared,
@@ -230,6 +317,7 @@ impl<C: Future> Future for Served<C> {
                 adopted,
                 &mut shared.queued.lock().unwrap_or_else(PoisonError::into_inner),
             );
+            *started |= !adopted.is_empty();
             streams.extend(adopted.drain(..));
             while let Poll::Ready(Some(())) = streams.poll_next_unpin(&mut inner) {}
             // Taking the flag (not a blind reset at the top of the round) keeps a wake that
@@ -302,6 +390,20 @@ mod tests {
     ) -> Poll<F::Output> {
         let waker = Waker::from(Arc::clone(runtime));
         Pin::new(future).poll(&mut Context::from_waker(&waker))
+    }
+
+    #[test]
+    fn a_connections_age_is_spread_ten_percent_either_way() {
+        let age = Duration::from_secs(100);
+        assert_eq!(jittered(age, 0.0), Duration::from_secs(90));
+        assert_eq!(jittered(age, 0.5), age);
+        assert_eq!(jittered(age, 1.0), Duration::from_secs(110));
+        let draws: Vec<f64> = (0..100).map(|_| draw()).collect();
+        assert!(draws.iter().all(|draw| (0.0..=1.0).contains(draw)));
+        assert!(
+            draws.iter().any(|&draw| draw != draws[0]),
+            "the same draw every time"
+        );
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Listeners, the gRPC routes, the admin HTTP port, and shutdown. `main` calls [`run_with`]; tests too.
 
 mod accept;
+mod body;
 mod connection;
+mod http;
 mod lanes;
 mod unix;
 
@@ -34,9 +36,6 @@ use crate::tls::TlsSettings;
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// The admin HTTP server failed.
-    #[error("http server: {0}")]
-    Http(#[source] std::io::Error),
     /// The reflection service could not be built from the embedded descriptors.
     #[error("grpc reflection: {0}")]
     Reflection(String),
@@ -132,6 +131,60 @@ pub struct ServeOptions {
     /// Report unhealthy, on `/healthcheck` and gRPC health, while the config has no domain
     /// (`--healthy-with-at-least-one-config-loaded`).
     pub health_needs_config: bool,
+    /// What one client may hold of the server, in time and memory.
+    pub limits: ConnectionLimits,
+}
+
+/// Bounds on what clients can hold of the server: how long a connection or a request may take
+/// to arrive, how long a gRPC connection lives, and the memory unfinished requests may hold.
+#[derive(Clone, Debug)]
+pub struct ConnectionLimits {
+    /// A gRPC connection that has not sent its first request this long after it was accepted
+    /// (after its TLS handshake, with TLS) is closed.
+    pub first_request_timeout: Duration,
+    /// A request body, gRPC or HTTP, that has not ended this long after it first waited for
+    /// more is refused: DEADLINE_EXCEEDED on gRPC, and its buffer is freed.
+    pub request_body_timeout: Duration,
+    /// Bytes that request bodies still arriving may hold in all, on every port and connection;
+    /// a body that would wait for more beyond it is refused: RESOURCE_EXHAUSTED on gRPC.
+    pub max_buffered_request_bytes: usize,
+    /// A gRPC connection is sent GOAWAY after this long, give or take 10 %, so that clients
+    /// reconnect and spread over replicas; `None`: never.
+    pub max_connection_age: Option<Duration>,
+    /// After that GOAWAY, how long the calls in flight have before the connection is closed.
+    pub max_connection_age_grace: Duration,
+    /// On the HTTP ports, how long a client has to send each request head: the first after it
+    /// connects, each next after the previous answer (so also the longest idle keep-alive).
+    pub http_header_timeout: Duration,
+}
+
+impl ConnectionLimits {
+    /// Default [`ConnectionLimits::first_request_timeout`].
+    pub const DEFAULT_FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+    /// Default [`ConnectionLimits::request_body_timeout`]: Envoy gives a whole call 20 ms.
+    pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Default [`ConnectionLimits::max_buffered_request_bytes`]: a thousand partial requests of
+    /// the default `--max-message-bytes`.
+    pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES: usize = 64 << 20;
+    /// Default [`ConnectionLimits::max_connection_age`], envoyproxy/ratelimit's.
+    pub const DEFAULT_MAX_CONNECTION_AGE: Duration = Duration::from_secs(24 * 3600);
+    /// Default [`ConnectionLimits::max_connection_age_grace`], envoyproxy/ratelimit's.
+    pub const DEFAULT_MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(3600);
+    /// Default [`ConnectionLimits::http_header_timeout`].
+    pub const DEFAULT_HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            first_request_timeout: Self::DEFAULT_FIRST_REQUEST_TIMEOUT,
+            request_body_timeout: Self::DEFAULT_REQUEST_BODY_TIMEOUT,
+            max_buffered_request_bytes: Self::DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+            max_connection_age: Some(Self::DEFAULT_MAX_CONNECTION_AGE),
+            max_connection_age_grace: Self::DEFAULT_MAX_CONNECTION_AGE_GRACE,
+            http_header_timeout: Self::DEFAULT_HTTP_HEADER_TIMEOUT,
+        }
+    }
 }
 
 /// Default [`ServeOptions::shutdown_grace`]: far longer than any call (a Redis call is bounded by
@@ -147,6 +200,7 @@ impl Default for ServeOptions {
             lanes: 0,
             admin_json_writes: false,
             health_needs_config: false,
+            limits: ConnectionLimits::default(),
         }
     }
 }
@@ -221,6 +275,10 @@ pub async fn run_with<S: Store>(
         .tls
         .as_ref()
         .map(|tls| tokio::spawn(Arc::clone(tls).watch()));
+    let bodies = body::BodyLimits::new(
+        options.limits.request_body_timeout,
+        options.limits.max_buffered_request_bytes,
+    );
     let routes = GrpcRoutes {
         // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
         rate_limit: RateLimitServiceServer::from_arc(Arc::clone(&limiter))
@@ -228,6 +286,7 @@ pub async fn run_with<S: Store>(
         others: Routes::new(health_service)
             .add_service(reflection)
             .prepare(),
+        bodies: body::BodyGuard::new(&bodies),
     };
     let lanes = match options.lanes {
         0 => None,
@@ -249,16 +308,25 @@ pub async fn run_with<S: Store>(
         (listeners.grpc, listeners.grpc_unix),
         options.tls.clone(),
         lanes,
+        connection::Times::from(&options.limits),
         stopped(stop_rx.clone()),
         options.shutdown_grace,
     );
-    // The extra HTTP ports stop with the admin port.
-    let spawn_http = |listener: TcpListener, router: axum::Router| {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));
-        tokio::spawn(async move { serve.await })
+    // The HTTP ports stop with the gRPC port, and get as long to finish.
+    let http = |listener: TcpListener, router: axum::Router| {
+        http::serve(
+            listener,
+            http::Guarded::new(router, Arc::clone(&bodies)),
+            options.limits.http_header_timeout,
+            stopped(stop_rx.clone()),
+            options.shutdown_grace,
+        )
     };
     let metrics_only = listeners.metrics.map(|(listener, path)| {
-        spawn_http(listener, admin::metrics_router(&path, Arc::clone(&metrics)))
+        tokio::spawn(http(
+            listener,
+            admin::metrics_router(&path, Arc::clone(&metrics)),
+        ))
     });
     let admin_state = AdminState {
         config,
@@ -273,21 +341,18 @@ pub async fn run_with<S: Store>(
     };
     let debug = listeners
         .debug
-        .map(|listener| spawn_http(listener, admin::debug_router(admin_state.clone())));
-    let admin = axum::serve(listeners.http, admin::router(admin_state))
-        .with_graceful_shutdown(stopped(stop_rx));
-    let ((), admin) = tokio::join!(grpc, admin);
+        .map(|listener| tokio::spawn(http(listener, admin::debug_router(admin_state.clone()))));
+    let admin = http(listeners.http, admin::router(admin_state));
+    tokio::join!(grpc, admin);
     for task in [metrics_only, debug].into_iter().flatten() {
-        match task.await {
-            Ok(result) => result.map_err(ServerError::Http)?,
-            Err(error) => tracing::warn!(%error, "metrics or debug port task failed"),
+        if let Err(error) = task.await {
+            tracing::warn!(%error, "metrics or debug port task failed");
         }
     }
     prober.abort();
     if let Some(watcher) = tls_watcher {
         watcher.abort();
     }
-    admin.map_err(ServerError::Http)?;
     Ok(())
 }
 
@@ -298,6 +363,8 @@ pub async fn run_with<S: Store>(
 struct GrpcRoutes<S: Store> {
     rate_limit: RateLimitServiceServer<RateLimiter<S>>,
     others: Routes,
+    /// Every request body is held to these (a clone is a handle for another connection).
+    bodies: body::BodyGuard,
 }
 
 impl<S: Store> Clone for GrpcRoutes<S> {
@@ -305,6 +372,7 @@ impl<S: Store> Clone for GrpcRoutes<S> {
         GrpcRoutes {
             rate_limit: self.rate_limit.clone(),
             others: self.others.clone(),
+            bodies: self.bodies.clone(),
         }
     }
 }
@@ -315,6 +383,7 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
     type Future = BoxFuture<::http::Response<Body>, Infallible>;
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
+        let request = request.map(|body| self.bodies.guard(body));
         let path = request.uri().path();
         let rate_limit = path
             .strip_prefix('/')
@@ -332,14 +401,16 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
 }
 
 /// Serves `routes` on `listener`, plain TCP or TLS (handshakes done off the accept loop), and
-/// plaintext on `unix` if there is one, on `lanes` or else on this runtime, until `signal`; then
-/// closes the listeners, shuts each connection down gracefully, and returns when the last one
-/// has ended or `grace` has passed, whichever is first. The lanes stop when this returns.
+/// plaintext on `unix` if there is one, on `lanes` or else on this runtime, each connection held
+/// to `times`, until `signal`; then closes the listeners, shuts each connection down gracefully,
+/// and returns when the last one has ended or `grace` has passed, whichever is first. The lanes
+/// stop when this returns.
 async fn serve_grpc<S: Store>(
     routes: GrpcRoutes<S>,
     (listener, unix): (TcpListener, Option<UnixSocket>),
     tls: Option<Arc<TlsSettings>>,
     lanes: Option<lanes::Lanes>,
+    times: connection::Times,
     signal: impl Future<Output = ()>,
     grace: Duration,
 ) {
@@ -349,7 +420,7 @@ async fn serve_grpc<S: Store>(
         tokio::select! {
             () = &mut signal => break,
             accepted = accept::next(&listener, unix.as_ref()) => {
-                accept::dispatch(accepted, lanes.as_ref(), tls.clone(), routes.clone(), closing_rx.clone());
+                accept::dispatch(accepted, lanes.as_ref(), tls.clone(), routes.clone(), times, closing_rx.clone());
             }
         }
     }
@@ -417,4 +488,38 @@ pub fn disable_transparent_huge_pages() -> std::io::Result<()> {
     } else {
         Err(std::io::Error::last_os_error())
     }
+}
+
+/// Raises the soft limit on open file descriptors to the hard limit, as Go's runtime does, and
+/// returns the new limit. Each connection is a descriptor; a soft limit of 1024 (a common
+/// default) or 256 lets a few hundred idle connections lock every new client out. The hard
+/// limit is what an administrator meant to allow; the soft one is rarely set on purpose.
+///
+/// # Errors
+/// When the limit cannot be read or set.
+#[expect(
+    unsafe_code,
+    reason = "getrlimit and setrlimit on this process's own limit"
+)]
+pub fn raise_open_files_limit() -> std::io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        limit = raised;
+    }
+    Ok(limit.rlim_cur)
 }

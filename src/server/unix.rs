@@ -151,16 +151,14 @@ pub(crate) async fn accept(socket: Option<&UnixSocket>) -> UnixStream {
     let Some(socket) = socket else {
         return std::future::pending().await;
     };
+    let mut errors = super::accept::AcceptErrors::default();
     loop {
         match socket.listener.accept().await {
-            Ok((stream, _)) => return stream,
-            Err(error) if super::accept::per_connection(&error) => {
-                tracing::debug!(%error, "unix socket accept failed");
+            Ok((stream, _)) => {
+                errors.recovered();
+                return stream;
             }
-            Err(error) => {
-                tracing::warn!(%error, "unix socket accept failed; retrying shortly");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            Err(error) => errors.pause(&error).await,
         }
     }
 }

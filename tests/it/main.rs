@@ -11,6 +11,7 @@ mod charges;
 mod cli;
 mod cluster;
 mod config_health;
+mod connection_limits;
 mod deploy;
 mod envoy_wire;
 mod grpc;
