@@ -207,40 +207,6 @@ async fn with_the_over_limit_cache_every_response_is_what_redis_alone_answers() 
     assert_eq!(cache.hits(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn script_flush_mid_run_fails_no_request() {
-    let redis = RedisServer::start();
-    let rlsd = Rlsd::exact(&redis).await;
-    let client = rlsd.client().await;
-    let tasks: Vec<_> = (0..8)
-        .map(|_| {
-            let mut client = client.clone();
-            tokio::spawn(async move {
-                let mut answered = 0;
-                for _ in 0..150 {
-                    let req = request("exact", vec![descriptor(&[("algorithm", "gcra")])]);
-                    client
-                        .should_rate_limit(req)
-                        .await
-                        .expect("no request fails");
-                    answered += 1;
-                }
-                answered
-            })
-        })
-        .collect();
-    for _ in 0..10 {
-        assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut answered = 0;
-    for task in tasks {
-        answered += task.await.expect("task");
-    }
-    assert_eq!(answered, 1200);
-    rlsd.stop().await;
-}
-
 /// Asks once and says how long the answer took.
 async fn timed_ask(
     client: &mut RateLimitServiceClient<Channel>,
