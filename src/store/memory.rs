@@ -111,6 +111,21 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
+    /// Every key held now (expired ones until reclaimed), for inspection: locks each shard in
+    /// turn, so it costs a pass over the whole store.
+    pub fn keys(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .flat_map(|shard| {
+                lock(shard)
+                    .entries
+                    .iter()
+                    .map(|entry| entry.key.to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     /// Drops every key whose state no longer matters; returns how many went.
     pub fn purge_expired(&self) -> usize {
         let now = self.clock.now_us();
