@@ -17,7 +17,8 @@ use super::{Check, Outcome, Store, StoreError, request_allowed};
 /// Shards of the key map; a power of two well above the core count keeps lock contention rare.
 const SHARDS: usize = 256;
 
-/// Default cap on live keys: roughly 200 MB of state at worst.
+/// Default cap on live keys: about 250 MB at worst with the longest keys, more with sliding logs
+/// of high limits (docs/stores.md).
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 type Hasher = foldhash::fast::RandomState;
