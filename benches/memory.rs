@@ -3,13 +3,16 @@
 //! through the real stores with the real key layout.
 //!
 //! Run: `cargo bench --bench memory` (`RLSD_BENCH_KEYS`, default 1 000 000 in process;
-//! `RLSD_BENCH_REDIS_KEYS`, default 100 000 in Redis).
+//! `RLSD_BENCH_REDIS_KEYS`, default 100 000 in Redis; `RLSD_BENCH_VALUE_BYTES` pads each
+//! descriptor value to that length: 87 gives the longest plain key, anything above 87 a
+//! digested one).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use rlsd::algorithm::{Hits, Params};
-use rlsd::limit::Algorithm;
+use rlsd::engine::{self, KeySettings};
+use rlsd::limit::{Algorithm, Limit, Unit};
 use rlsd::store::{Check, MemoryStore, RedisSettings, RedisStore, Store};
 use rlsd_testkit::counting_alloc::{CountingAlloc, count_during};
 use rlsd_testkit::ready::ready;
@@ -26,12 +29,19 @@ fn env(name: &str, default: usize) -> usize {
 #[global_allocator]
 static ALLOCATOR: CountingAlloc = CountingAlloc;
 
-fn check(algorithm: Algorithm, i: usize) -> Check {
-    // The shape of a real key: prefix, layer, domain, algorithm, period, one entry.
+fn check(algorithm: Algorithm, i: usize, value_bytes: usize) -> Check {
+    let mut limit = Limit::fixed(600, Unit::Day);
+    limit.algorithm = algorithm;
+    let mut value = format!("key-{i:08}");
+    value.push_str(&"x".repeat(value_bytes.saturating_sub(value.len())));
     Check {
-        key: format!(
-            "rlsd:plan:edge-proxy:{}:86400:api_key=key-{i:08}",
-            algorithm.key_tag()
+        // A real key: `rlsd:plan:edge-proxy:<tag>:86400:api_key=<value>`, as the engine builds it.
+        key: engine::key::encode(
+            &KeySettings::default(),
+            "plan",
+            "edge-proxy",
+            &limit,
+            &[("api_key".to_owned(), value)],
         ),
         // A day-long period keeps every key alive (and measured) through the run.
         params: Params {
@@ -53,7 +63,14 @@ fn check(algorithm: Algorithm, i: usize) -> Check {
 fn main() {
     let keys = env("RLSD_BENCH_KEYS", 1_000_000);
     let redis_keys = env("RLSD_BENCH_REDIS_KEYS", 100_000);
+    let value_bytes = env("RLSD_BENCH_VALUE_BYTES", 0);
     println!("# memory per live key, written through the real stores (one hit each)");
+    println!();
+    println!(
+        "Keys like `{}` ({} bytes).",
+        check(Algorithm::FixedWindow, 0, value_bytes).key,
+        check(Algorithm::FixedWindow, 0, value_bytes).key.len()
+    );
     println!();
     println!(
         "| algorithm | in process, bytes/key ({keys} keys) | Redis used_memory, bytes/key ({redis_keys} keys) | Redis MEMORY USAGE of one key |"
@@ -69,7 +86,7 @@ fn main() {
         let (store, counted) = count_during(|| {
             let store = MemoryStore::new(keys + 1);
             for i in 0..keys {
-                ready(store.decide(&[check(algorithm, i)])).expect("decide");
+                ready(store.decide(&[check(algorithm, i, value_bytes)])).expect("decide");
             }
             store
         });
@@ -87,7 +104,10 @@ fn main() {
                     let store = Arc::clone(&store);
                     tokio::spawn(async move {
                         for i in (w..redis_keys).step_by(32) {
-                            store.decide(&[check(algorithm, i)]).await.expect("decide");
+                            store
+                                .decide(&[check(algorithm, i, value_bytes)])
+                                .await
+                                .expect("decide");
                         }
                     })
                 })
@@ -98,7 +118,7 @@ fn main() {
         });
         let in_redis = (redis.used_memory() - before) as f64 / redis_keys as f64;
         let one = redis
-            .cli(&["MEMORY", "USAGE", &check(algorithm, 0).key])
+            .cli(&["MEMORY", "USAGE", &check(algorithm, 0, value_bytes).key])
             .unwrap_or_default();
         println!("| {algorithm} | {in_process:.0} | {in_redis:.0} | {one} |");
     }

@@ -17,7 +17,8 @@ use super::{Check, Outcome, Store, StoreError, request_allowed};
 /// Shards of the key map; a power of two well above the core count keeps lock contention rare.
 const SHARDS: usize = 256;
 
-/// Default cap on live keys: roughly 200 MB of state at worst.
+/// Default cap on live keys: about 250 MB at worst with the longest keys, more with sliding logs
+/// of high limits (docs/stores.md).
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 type Hasher = foldhash::fast::RandomState;
@@ -109,6 +110,21 @@ impl<C: Clock> MemoryStore<C> {
             capacity: self.capacity,
             full_rejections: self.full_rejections.load(Ordering::Relaxed),
         }
+    }
+
+    /// Every key held now (expired ones until reclaimed), for inspection: locks each shard in
+    /// turn, so it costs a pass over the whole store.
+    pub fn keys(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .flat_map(|shard| {
+                lock(shard)
+                    .entries
+                    .iter()
+                    .map(|entry| entry.key.to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 
     /// Drops every key whose state no longer matters; returns how many went.

@@ -16,6 +16,7 @@ mod deploy;
 mod envoy_wire;
 mod grpc;
 mod http2_limits;
+mod key_size;
 mod operations;
 mod over_limit_cache;
 mod properties;

@@ -279,12 +279,12 @@ async fn the_cache_answers_exactly_what_the_store_would() {
     let on_the_ms = random_requests(99, &ON_THE_MS);
     let answered = replay(&cached(&clock, 4), &clock, &on_the_ms, true).await;
     eprintln!("on the millisecond grid the cache answered {answered} of 5000 requests");
-    assert!(answered > 50, "the cache answered {answered} requests");
+    assert!(answered > 10, "the cache answered {answered} requests");
     let clock = ManualClock::at(T0);
     let off_the_ms = random_requests(7, &[0, 1, 997, 100_000, 900_000, 3 * S]);
     let answered = replay(&cached(&clock, 4), &clock, &off_the_ms, false).await;
     eprintln!("off the grid the cache answered {answered} of 5000 requests");
-    assert!(answered > 50, "the cache answered {answered} requests");
+    assert!(answered > 10, "the cache answered {answered} requests");
 }
 
 /// The same over a real Redis: the cache in front of the Redis store answers what the in-process

@@ -11,6 +11,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{FileFailurePersistence, TestRunner};
 use rlsd::clock::ManualClock;
 use rlsd::config;
+use rlsd::engine::key::MAX_PLAIN_ENTRIES_BYTES;
 use rlsd::engine::{self, Decision, Descriptor, KeySettings, LimitOverride};
 use rlsd::limit::{Algorithm, Limit, Period, Unit};
 use rlsd::pb::rate_limit_descriptor::{Entry, RateLimitOverride};
@@ -131,18 +132,30 @@ fn fixed_config() -> config::Config {
 
 /// Strings dense in the characters the key encoding escapes, so near-collisions are common.
 fn tricky() -> impl Strategy<Value = String> {
+    tricky_of(0..5)
+}
+
+/// Tricky strings, some long enough to have their keys digested.
+fn tricky_or_long() -> impl Strategy<Value = String> {
+    prop_oneof![3 => tricky(), 1 => tricky_of(20..40)]
+}
+
+/// Tricky strings of `pieces` pieces.
+fn tricky_of(pieces: std::ops::Range<usize>) -> impl Strategy<Value = String> {
     let piece = prop::sample::select(vec![
         ":", "=", "%", "{", "}", "%3A", "%3D", "%25", "%7B", "%7D", "%%", "~", "a", "é", "🦀", "",
     ]);
-    prop::collection::vec(piece, 0..5).prop_map(|pieces| pieces.concat())
+    prop::collection::vec(piece, pieces).prop_map(|pieces| pieces.concat())
 }
 
-/// Any UTF-8, tricky strings, and the configs' own words.
+/// Any UTF-8, tricky strings, ones around the length where keys are digested, and the
+/// configs' own words.
 fn text(words: &'static [&'static str]) -> impl Strategy<Value = String> {
     prop_oneof![
         3 => prop::sample::select(words).prop_map(str::to_owned),
         2 => tricky(),
         2 => any::<String>(),
+        1 => tricky_of(20..40),
         1 => Just(String::new()),
     ]
 }
@@ -239,7 +252,39 @@ fn unescape(text: &str) -> Option<String> {
     Some(out)
 }
 
-/// Parses a key back into its parts: a left inverse of `encode`, so `encode` is injective.
+/// The escaped entries part of a key, `:<k>=<v>...`, written here apart from `engine::key`.
+fn escaped_entries(entries: &[(String, String)]) -> String {
+    let escape = |text: &str| {
+        text.replace('%', "%25")
+            .replace(':', "%3A")
+            .replace('=', "%3D")
+            .replace('{', "%7B")
+            .replace('}', "%7D")
+    };
+    entries
+        .iter()
+        .map(|(k, v)| format!(":{}={}", escape(k), escape(v)))
+        .collect()
+}
+
+/// The digest segment a key carries instead of `escaped` entries (lowercase hex SHA-256).
+fn digest_of(escaped: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, escaped.as_bytes());
+    let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256-{hex}")
+}
+
+/// Parses a key back into its parts: a left inverse of `encode` for keys with plain entries, so
+/// those are injective. A digested key decodes to its parts without entries and its digest.
+fn decode_any(key: &str) -> Option<(KeyParts, Option<String>)> {
+    let (head, last) = key.rsplit_once(':')?;
+    if last.starts_with("sha256-") && !last.contains('=') {
+        return Some((decode(head)?, Some(last.to_owned())));
+    }
+    Some((decode(key)?, None))
+}
+
+/// Parses a key with plain entries back into its parts.
 fn decode(key: &str) -> Option<KeyParts> {
     let mut fields = key.split(':');
     let prefix = unescape(fields.next()?)?;
@@ -291,19 +336,27 @@ fn runner(count: u32) -> TestRunner {
 proptest! {
     #![proptest_config(cases(4000))]
 
-    /// Every key decodes back to exactly what it was built from, and holds no hash tag brace.
+    /// Every key decodes back to exactly what it was built from, and holds no hash tag brace;
+    /// entries longer than the bound are replaced by the digest of their escaped form.
     #[test]
     fn keys_decode_to_their_parts_and_have_no_braces((parts, limit) in key_inputs()) {
         let key = encode(&parts, &limit);
         prop_assert!(!key.contains('{') && !key.contains('}'), "{key}");
-        prop_assert_eq!(decode(&key), Some(parts), "{}", key);
+        let escaped = escaped_entries(&parts.entries);
+        if escaped.len() > MAX_PLAIN_ENTRIES_BYTES {
+            let head = KeyParts { entries: Vec::new(), ..parts };
+            prop_assert_eq!(decode_any(&key), Some((head, Some(digest_of(&escaped)))), "{}", key);
+        } else {
+            prop_assert_eq!(decode_any(&key), Some((parts, None)), "{}", key);
+        }
     }
 
-    /// Two different inputs never share a key (checked directly, on collision-prone strings).
+    /// Two different inputs never share a key (checked directly, on collision-prone strings,
+    /// plain and digested).
     #[test]
     fn different_parts_give_different_keys(
-        a in (tricky(), tricky(), prop::collection::vec((tricky(), tricky()), 0..3)),
-        b in (tricky(), tricky(), prop::collection::vec((tricky(), tricky()), 0..3)),
+        a in (tricky(), tricky(), prop::collection::vec((tricky_or_long(), tricky_or_long()), 0..3)),
+        b in (tricky(), tricky(), prop::collection::vec((tricky_or_long(), tricky_or_long()), 0..3)),
     ) {
         let limit = Limit::fixed(1, Unit::Second);
         let key = |(layer, domain, entries): &(String, String, Vec<(String, String)>)| {

@@ -156,6 +156,9 @@ async fn expired_keys_are_reclaimed_and_the_cap_holds() {
             .expect("room for three");
     }
     assert_eq!(store.stats().live_keys, 3);
+    let mut keys = store.keys();
+    keys.sort();
+    assert_eq!(keys, ["a", "b", "c"]);
     let full = store
         .decide(&[check("d", Algorithm::FixedWindow, 5, Hits::Take(1))])
         .await;
@@ -170,6 +173,7 @@ async fn expired_keys_are_reclaimed_and_the_cap_holds() {
     clock.set(62 * S);
     assert_eq!(store.purge_expired(), 3);
     assert_eq!(store.stats().live_keys, 0);
+    assert!(store.keys().is_empty());
     store
         .decide(&[check("d", Algorithm::FixedWindow, 5, Hits::Take(1))])
         .await
