@@ -309,7 +309,8 @@ local function sliding_counter(c, st, clock_now, want, take, force)
     elseif previous > 0 then
       reset = window_end - now
     end
-    return true, floor(l - estimate - take), reset,
+    -- Never below 0: past charges can leave the estimate a hair over L - take in floats.
+    return true, max(0, floor(l - estimate - take)), reset,
       { window = window, current = current, previous = previous }, 2 * p + SLACK + (now - clock_now)
   end
   local reset = max(1, sliding_counter_wait(l, p, now, window, current, previous, want))
@@ -346,7 +347,7 @@ local function token_bucket(c, st, now, want, take, force)
   local remaining, reset = floor(max(0, tokens)), ceil((want - tokens) * rate_inverse)
   if force then
     -- A charge leaves the bucket in debt (negative tokens), at most MAX_DEBT to refill.
-    local owed = max(tokens - take, c.b - MAX_DEBT * c.l / c.p)
+    local owed = min(tokens, max(tokens - take, c.b - MAX_DEBT * c.l / c.p))
     return false, remaining, reset, { tokens = owed, updated = updated },
       bucket_ttl(c, owed) + max(0, updated - now)
   end
@@ -372,7 +373,7 @@ local function gcra(c, st, now, want, take, force)
   local remaining = idiv(max(0, horizon - tat0), t)
   if force then
     -- A charge moves the arrival time on as debt, at most MAX_DEBT ahead.
-    local owed = min(tat0 + take * t, now + MAX_DEBT)
+    local owed = max(tat0, min(tat0 + take * t, now + MAX_DEBT))
     return false, min(remaining, c.b), allow_at - now, { tat = owed }, owed - now + SLACK
   end
   return false, min(remaining, c.b), allow_at - now
@@ -678,7 +679,9 @@ for r = 1, request_count do
       if new then
         pending_at[s], pending_in[s] = new, r
       end
-      if c.quota then
+      -- A refund never denies: hits given back must land, even on a key over its limit.
+      if mode == 'r' then
+      elseif c.quota then
         quotas = true
         if allowed then
           quota_passed = true

@@ -610,7 +610,8 @@ fn token_bucket(params: &Params, state: Option<&State>, now: u64, step: Step) ->
         // A charge leaves the bucket in debt (negative tokens), at most MAX_DEBT_US to refill.
         let floor = params.burst as f64
             - MAX_DEBT_US as f64 * params.limit as f64 / params.period_us as f64;
-        let owed = (tokens - take as f64).max(floor);
+        // Never above what it had (a bucket already deeper in debt than the cap stays so).
+        let owed = (tokens - take as f64).max(floor).min(tokens);
         Raw {
             verdict: Verdict {
                 allowed: false,
@@ -657,7 +658,8 @@ fn gcra(params: &Params, state: Option<&State>, now: u64, step: Step) -> Raw {
         // A charge moves the arrival time on as debt, at most MAX_DEBT_US ahead.
         let owed = tat0
             .saturating_add(take.saturating_mul(t))
-            .min(now + MAX_DEBT_US);
+            .min(now + MAX_DEBT_US)
+            .max(tat0);
         Raw {
             verdict: Verdict {
                 allowed: false,

@@ -694,9 +694,12 @@ impl<'p, 'c> Judged<'p, 'c> {
         judged
     }
 
-    /// Over its limit, and reported as such (a limit in shadow mode in the config reports OK).
+    /// Over its limit, and reported as such (a limit in shadow mode in the config reports OK, and
+    /// so does a refund, which the store applies even to a key over its limit).
     fn over(&self, i: usize) -> bool {
-        !self.outcomes[i].verdict.allowed && !self.plan.limits[i].limit.shadow
+        !self.outcomes[i].verdict.allowed
+            && !self.plan.limits[i].limit.shadow
+            && !matches!(self.plan.checks[i].hits, Hits::Refund(_))
     }
 
     /// Over its limit, and denying the request.

@@ -23,11 +23,12 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
@@ -42,7 +43,7 @@ use crate::limit::Algorithm;
 use super::deadline::{Budget, RedisClock};
 use super::redis::{
     ClientIdentity, DEFAULT_COMMAND_TIMEOUT, DEFAULT_TIMEOUT_CAP, ScriptCall, split_reply,
-    time_command, tls_certificates,
+    time_command, tls_certificates, wait_for,
 };
 use super::{Check, Outcome, Store, StoreError, refunds, request_allowed};
 
@@ -83,6 +84,13 @@ impl ClusterSettings {
 
 /// State in a Redis Cluster.
 pub struct ClusterStore {
+    /// Shared with the task that decides each request, so a caller that goes away (its client
+    /// cancelled) cannot drop a call in flight, whose hits must then be given back.
+    inner: Arc<Cluster>,
+}
+
+/// The connection and what every call needs.
+struct Cluster {
     client: ClusterClient,
     /// Replaced by a fresh connection (a fresh view of the topology) after failures, since a
     /// connection can keep routing to a master that died until it is rebuilt.
@@ -93,7 +101,7 @@ pub struct ClusterStore {
     timeout_cap: Duration,
     connect_timeout: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
-    /// Each slot's node's clock, as its replies teach it.
+    /// The nodes' clock, as their replies teach it.
     clock: RedisClock,
 }
 
@@ -126,7 +134,7 @@ impl ClusterStore {
                 })?
                 .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
         tracing::info!(nodes = settings.nodes.len(), "redis cluster connected");
-        Ok(ClusterStore {
+        let inner = Cluster {
             client,
             connection: Arc::new(ArcSwap::from_pointee(connection)),
             rebuilding: Arc::new(AtomicBool::new(false)),
@@ -135,9 +143,14 @@ impl ClusterStore {
             clock: RedisClock::new(settings.fixed_clock.clone()),
             connect_timeout: settings.connect_timeout,
             fixed_clock: settings.fixed_clock,
+        };
+        Ok(ClusterStore {
+            inner: Arc::new(inner),
         })
     }
+}
 
+impl Cluster {
     /// Rebuilds the connection in the background (one rebuild at a time, at most one a
     /// second), so a failover is followed even when no MOVED reply ever comes back.
     fn rebuild_connection(&self) {
@@ -178,17 +191,14 @@ impl ClusterStore {
     ) -> Result<Vec<Outcome>, StoreError> {
         let bounded = kind != Call::Refunding;
         let first = checks.first().map(|check| check.key.as_str());
-        let source = first.map_or(0, |key| {
-            BuildHasherDefault::<DefaultHasher>::default().hash_one(Slot::for_key(key))
-        });
         let deadline = if bounded {
-            if self.clock.redis_us(source, budget.deadline).is_none() {
-                self.sync_clock(source, first, budget.deadline).await?;
+            if self.clock.redis_us(budget.deadline).is_none() {
+                self.sync_clock(first, budget.deadline).await?;
             }
             if budget.script_deadline <= Instant::now() {
                 return Err(budget.exceeded());
             }
-            let at = self.clock.redis_us(source, budget.script_deadline);
+            let at = self.clock.redis_us(budget.script_deadline);
             Some(at.ok_or_else(|| budget.exceeded())?)
         } else {
             None
@@ -223,7 +233,7 @@ impl ClusterStore {
             }
         };
         let reply = split_reply(&reply, &[checks.len()])?;
-        self.clock.observe(source, reply.now_us, Instant::now());
+        self.clock.observe(reply.now_us, Instant::now());
         match reply.answers.into_iter().next() {
             Some(Some(outcomes)) => Ok(outcomes),
             Some(None) => Err(budget.exceeded()),
@@ -271,12 +281,7 @@ impl ClusterStore {
     }
 
     /// Reads the clock of the node holding `key`, by `deadline`.
-    async fn sync_clock(
-        &self,
-        source: u64,
-        key: Option<&str>,
-        deadline: Instant,
-    ) -> Result<(), StoreError> {
+    async fn sync_clock(&self, key: Option<&str>, deadline: Instant) -> Result<(), StoreError> {
         let mut connection = ClusterConnection::clone(&self.connection.load());
         let command = time_command(key);
         let now =
@@ -286,7 +291,7 @@ impl ClusterStore {
                     StoreError::Timeout(deadline.saturating_duration_since(Instant::now()))
                 })?
                 .map_err(|error| StoreError::Unavailable(error.to_string()))?;
-        self.clock.observe(source, now, Instant::now());
+        self.clock.observe(now, Instant::now());
         Ok(())
     }
 }
@@ -339,7 +344,7 @@ fn dry_run_guard(group: &[Check]) -> Option<Check> {
     })
 }
 
-impl ClusterStore {
+impl Cluster {
     /// Evaluates every group without committing anything: exact answers for a request that
     /// turns out denied.
     async fn dry_run(
@@ -360,7 +365,28 @@ impl ClusterStore {
     }
 }
 
-impl ClusterStore {
+impl Cluster {
+    /// Refunds `refunds` slot by slot, with no deadline on the script: hits of an answer nobody
+    /// used must land however late.
+    async fn give_back(&self, refunds: Vec<Check>) {
+        if refunds.is_empty() {
+            return;
+        }
+        let budget = Budget::new(Instant::now(), None, self.command_timeout, self.timeout_cap);
+        let groups: Vec<Vec<Check>> = group_by_slot(&refunds)
+            .into_iter()
+            .map(|group| group.into_iter().map(|(_, check)| check).collect())
+            .collect();
+        let calls = groups
+            .iter()
+            .map(|group| self.call_by(group, budget, Call::Refunding));
+        for result in join_all(calls).await {
+            if let Err(error) = result {
+                tracing::warn!(%error, "redis cluster: giving back the hits of an unused answer failed; they stay counted");
+            }
+        }
+    }
+
     /// Records the charges of a denied request, which count whatever the answer: each group
     /// holding one runs with the guard, so only its charges are written.
     /// Returns each such group's members with their outcomes.
@@ -398,16 +424,45 @@ impl Store for ClusterStore {
     }
 
     async fn healthy(&self) -> bool {
-        let mut connection = ClusterConnection::clone(&self.connection.load());
+        let mut connection = ClusterConnection::clone(&self.inner.connection.load());
         let command = redis::cmd("PING");
         let ping = command.query_async::<String>(&mut connection);
         matches!(
-            tokio::time::timeout(self.command_timeout, ping).await,
+            tokio::time::timeout(self.inner.command_timeout, ping).await,
             Ok(Ok(_))
         )
     }
 
     async fn decide_by(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let inner = &self.inner;
+        let budget = Budget::new(
+            Instant::now(),
+            deadline,
+            inner.command_timeout,
+            inner.timeout_cap,
+        );
+        let (reply, answer) = oneshot::channel();
+        let (inner, checks) = (Arc::clone(inner), checks.to_vec());
+        tokio::spawn(async move {
+            let decided = inner.decide(&checks, deadline).await;
+            // Nobody took the answer: what it committed goes back.
+            if let Err(Ok(outcomes)) = reply.send(decided)
+                && request_allowed(&checks, &outcomes)
+            {
+                inner.give_back(refunds(&checks, &outcomes)).await;
+            }
+        });
+        wait_for(answer, &budget).await
+    }
+}
+
+impl Cluster {
+    /// Decides `checks` across their slots; see the module's guarantee.
+    async fn decide(
         &self,
         checks: &[Check],
         deadline: Option<Instant>,

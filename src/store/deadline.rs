@@ -4,19 +4,26 @@
 //!
 //! rlsd learns how Redis's clock relates to its own from every script reply (the script answers
 //! with the `TIME` it read): a reply received at local instant `t1` that carries Redis time `r`
-//! was read at or before `t1`, so `r - t1` is a lower bound of the offset. Deadlines use the
-//! largest bound seen, lowered by 1 ms per second since it was seen, so a Redis clock that steps
-//! back cannot make a deadline later than the truth for more than a moment, while fresh replies
-//! keep the bound tight.
+//! was read at or before `t1`, so `r - t1` is a lower bound of the offset, and deadlines built
+//! on it are never later than the truth. The tightest bound of the last second is kept; one older
+//! than [`FRESH_FOR`] (after a quiet spell) is read again with `TIME` before it is used, so a
+//! Redis clock that stepped meanwhile is seen. Nodes of a Redis Cluster are taken to share one
+//! clock (NTP keeps them within a millisecond or so); an answer that comes too late anyway has its
+//! hits given back (see the Redis store).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
 
-/// How fast an old offset bound loses trust: 1 µs per ms, 1 ms per second.
-const DECAY_DIVISOR: u64 = 1_000;
+/// How long a learned offset is used before it is read again.
+const FRESH_FOR_US: u64 = 10_000_000;
+
+/// How long the tightest offset is kept before any newer reply replaces it.
+const TIGHTEST_FOR_US: u64 = 1_000_000;
+
+/// Longer than any wait: what a timeout too large for the clock means.
+const YEAR: Duration = Duration::from_secs(365 * 86_400);
 
 /// The least a request keeps for its reply to travel back after the script ran.
 const MIN_REPLY_MARGIN: Duration = Duration::from_millis(1);
@@ -46,9 +53,11 @@ impl Budget {
         default: Duration,
         cap: Duration,
     ) -> Budget {
+        // Saturating: a timeout flag of any size must not overflow the clock.
+        let after = |wait: Duration| started.checked_add(wait).unwrap_or(started + YEAR);
         let deadline = deadline
-            .unwrap_or(started + default)
-            .min(started + cap)
+            .unwrap_or_else(|| after(default))
+            .min(after(cap))
             .max(started);
         let margin = (deadline.saturating_duration_since(started) / REPLY_MARGIN_DIVISOR)
             .max(MIN_REPLY_MARGIN);
@@ -70,11 +79,10 @@ impl Budget {
     }
 }
 
-/// What rlsd knows of Redis's clock, per source: one for a single server, one per hash slot for
-/// a cluster (its nodes' clocks may differ).
+/// What rlsd knows of Redis's clock.
 pub(super) struct RedisClock {
     epoch: Instant,
-    bounds: Mutex<HashMap<u64, Bound>>,
+    bound: Mutex<Option<Bound>>,
     /// Tests: the clock whose reading is passed to the script instead of Redis `TIME`.
     fixed: Option<Arc<dyn Clock>>,
 }
@@ -87,20 +95,12 @@ struct Bound {
     learned_us: u64,
 }
 
-impl Bound {
-    fn at(self, local_us: u64) -> i64 {
-        let age = local_us.saturating_sub(self.learned_us) / DECAY_DIVISOR;
-        self.offset_us
-            .saturating_sub(i64::try_from(age).unwrap_or(i64::MAX))
-    }
-}
-
 impl RedisClock {
     /// A clock that knows nothing yet; with `fixed`, the script runs on that clock instead.
     pub(super) fn new(fixed: Option<Arc<dyn Clock>>) -> RedisClock {
         RedisClock {
             epoch: Instant::now(),
-            bounds: Mutex::new(HashMap::new()),
+            bound: Mutex::new(None),
             fixed,
         }
     }
@@ -109,8 +109,8 @@ impl RedisClock {
         u64::try_from(at.saturating_duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Learns from a reply of `source` received at `received` that carried Redis time `redis_us`.
-    pub(super) fn observe(&self, source: u64, redis_us: u64, received: Instant) {
+    /// Learns from a reply received at `received` that carried Redis time `redis_us`.
+    pub(super) fn observe(&self, redis_us: u64, received: Instant) {
         if self.fixed.is_some() {
             return;
         }
@@ -118,20 +118,21 @@ impl RedisClock {
         let sample = i64::try_from(redis_us)
             .unwrap_or(i64::MAX)
             .saturating_sub(i64::try_from(local).unwrap_or(i64::MAX));
-        let mut bounds = self.bounds.lock().unwrap_or_else(PoisonError::into_inner);
-        let learned = Bound {
-            offset_us: sample,
-            learned_us: local,
-        };
-        let bound = bounds.entry(source).or_insert(learned);
-        if sample >= bound.at(local) {
-            *bound = learned;
+        let mut bound = self.bound.lock().unwrap_or_else(PoisonError::into_inner);
+        let replace = bound.is_none_or(|known| {
+            sample >= known.offset_us || local.saturating_sub(known.learned_us) >= TIGHTEST_FOR_US
+        });
+        if replace {
+            *bound = Some(Bound {
+                offset_us: sample,
+                learned_us: local,
+            });
         }
     }
 
-    /// `at` on `source`'s Redis clock, never later than the truth; `None` before anything was
-    /// learned from it.
-    pub(super) fn redis_us(&self, source: u64, at: Instant) -> Option<u64> {
+    /// `at` on Redis's clock, never later than the truth; `None` before anything was learned,
+    /// or when what was learned is too old to trust.
+    pub(super) fn redis_us(&self, at: Instant) -> Option<u64> {
         let now = Instant::now();
         if let Some(fixed) = &self.fixed {
             let ahead = at.saturating_duration_since(now).as_micros();
@@ -140,15 +141,12 @@ impl RedisClock {
                 u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX);
             return Some(fixed.now_us().saturating_add(ahead).saturating_sub(behind));
         }
-        let bound = self
-            .bounds
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&source)
-            .copied();
-        let offset = bound?.at(self.local_us(now));
+        let bound = (*self.bound.lock().unwrap_or_else(PoisonError::into_inner))?;
+        if self.local_us(now).saturating_sub(bound.learned_us) >= FRESH_FOR_US {
+            return None;
+        }
         let local = i64::try_from(self.local_us(at)).unwrap_or(i64::MAX);
-        u64::try_from(local.saturating_add(offset)).ok()
+        u64::try_from(local.saturating_add(bound.offset_us)).ok()
     }
 }
 
@@ -179,24 +177,25 @@ mod tests {
     }
 
     #[test]
-    fn the_offset_is_the_tightest_lower_bound_and_decays() {
+    fn the_offset_is_the_tightest_lower_bound() {
         let clock = RedisClock::new(None);
         let received = Instant::now();
-        assert_eq!(clock.redis_us(0, received), None);
+        assert_eq!(clock.redis_us(received), None);
         let local = clock.local_us(received);
         // A reply carrying Redis time local + 5 s: Redis is at least 5 s ahead.
-        clock.observe(0, local + 5_000_000, received);
+        clock.observe(local + 5_000_000, received);
         // A slower reply (read earlier than it arrived) gives a lower bound: ignored.
-        clock.observe(0, local + 4_000_000, received);
-        let at = clock.redis_us(0, received).expect("known");
-        assert!(
-            (local + 5_000_000 - 1_000..=local + 5_000_000).contains(&at),
-            "{at} vs {}",
-            local + 5_000_000
-        );
-        // Another source knows nothing yet.
-        let cluster = RedisClock::new(None);
-        cluster.observe(0, local, received);
-        assert_eq!(cluster.redis_us(1, received), None);
+        clock.observe(local + 4_000_000, received);
+        assert_eq!(clock.redis_us(received), Some(local + 5_000_000));
+        // One learned long ago is not trusted: it is read again.
+        let Some(long_ago) = received.checked_sub(Duration::from_micros(FRESH_FOR_US + 1)) else {
+            return;
+        };
+        let stale = RedisClock {
+            epoch: long_ago,
+            ..RedisClock::new(None)
+        };
+        stale.observe(5_000_000, long_ago);
+        assert_eq!(stale.redis_us(Instant::now()), None);
     }
 }

@@ -133,13 +133,16 @@ pub fn refunds(checks: &[Check], outcomes: &[Outcome]) -> Vec<Check> {
 }
 
 /// Whether a request whose checks produced `outcomes` is allowed: every enforced check passed,
-/// and [`quotas_pass`].
+/// and [`quotas_pass`]. A refund never denies: hits given back must land, even on a key over
+/// its limit (one a charge left in debt).
 pub fn request_allowed(checks: &[Check], outcomes: &[Outcome]) -> bool {
-    checks
-        .iter()
-        .zip(outcomes)
-        .all(|(check, outcome)| check.shadow || check.quota_mode || outcome.verdict.allowed)
-        && quotas_pass(checks, outcomes)
+    checks.iter().zip(outcomes).all(|(check, outcome)| {
+        check.shadow || check.quota_mode || refunds_only(check) || outcome.verdict.allowed
+    }) && quotas_pass(checks, outcomes)
+}
+
+fn refunds_only(check: &Check) -> bool {
+    matches!(check.hits, Hits::Refund(_))
 }
 
 /// Whether the request's quota-mode checks (shadow ones aside) let it through: it has none, or
@@ -148,7 +151,7 @@ pub fn quotas_pass(checks: &[Check], outcomes: &[Outcome]) -> bool {
     let mut quotas = checks
         .iter()
         .zip(outcomes)
-        .filter(|(check, _)| check.quota_mode && !check.shadow)
+        .filter(|(check, _)| check.quota_mode && !check.shadow && !refunds_only(check))
         .peekable();
     quotas.peek().is_none() || quotas.any(|(_, outcome)| outcome.verdict.allowed)
 }

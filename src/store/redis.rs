@@ -330,7 +330,7 @@ impl Lane {
 /// The answer to a request, by its budget's deadline. Past it the channel is closed, so an
 /// answer that comes later is known to be unused (and its hits given back), while one that came
 /// just in time is still taken.
-async fn wait_for(
+pub(super) async fn wait_for(
     mut answer: oneshot::Receiver<Result<Vec<Outcome>, StoreError>>,
     budget: &Budget,
 ) -> Result<Vec<Outcome>, StoreError> {
@@ -555,7 +555,7 @@ impl RedisCaller {
             .await
             .map_err(|_| StoreError::Timeout(deadline.saturating_duration_since(Instant::now())))?
             .map_err(|error| StoreError::Unavailable(error.to_string()))?;
-        self.clock.observe(0, now, Instant::now());
+        self.clock.observe(now, Instant::now());
         Ok(())
     }
 
@@ -576,7 +576,7 @@ impl RedisCaller {
         let mut reply = Box::pin(Arc::clone(self).send(call));
         tokio::select! {
             biased;
-            reply = &mut reply => self.answer(jobs, reply).await,
+            reply = &mut reply => self.answer(jobs, reply),
             () = tokio::time::sleep_until(latest.into()) => {
                 // A master that stopped answering may have been replaced.
                 if let Link::Sentinel(link) = &self.link {
@@ -587,7 +587,7 @@ impl RedisCaller {
                     let reply = tokio::time::timeout(caller.timeout_cap, reply)
                         .await
                         .unwrap_or(Err(StoreError::Timeout(caller.timeout_cap)));
-                    caller.answer(jobs, reply).await;
+                    caller.answer(jobs, reply);
                 });
             }
         }
@@ -596,7 +596,7 @@ impl RedisCaller {
     /// The call for `jobs` on Redis's clock (read first if still unknown), and the jobs it
     /// carries; jobs already past their script deadline are answered as timed out here.
     async fn prepare(&self, jobs: Vec<Job>, latest: Instant) -> Option<(Vec<Job>, ScriptCall)> {
-        if self.clock.redis_us(0, latest).is_none()
+        if self.clock.redis_us(latest).is_none()
             && let Err(error) = self.sync_clock(latest).await
         {
             for job in jobs {
@@ -610,7 +610,7 @@ impl RedisCaller {
         for job in jobs {
             let script_deadline = job.budget.script_deadline;
             match (script_deadline > now)
-                .then(|| self.clock.redis_us(0, script_deadline))
+                .then(|| self.clock.redis_us(script_deadline))
                 .flatten()
             {
                 Some(at) => {
@@ -643,12 +643,12 @@ impl RedisCaller {
 
     /// Answers each job from `reply`; gives back what a request committed when its caller no
     /// longer listens.
-    async fn answer(&self, jobs: Vec<Job>, reply: Result<Vec<u8>, StoreError>) {
+    fn answer(self: &Arc<Self>, jobs: Vec<Job>, reply: Result<Vec<u8>, StoreError>) {
         let received = Instant::now();
         let sizes: Vec<usize> = jobs.iter().map(|job| job.checks.len()).collect();
         let answers = match reply.and_then(|reply| split_reply(&reply, &sizes)) {
             Ok(reply) => {
-                self.clock.observe(0, reply.now_us, received);
+                self.clock.observe(reply.now_us, received);
                 reply.answers
             }
             Err(error) => {
@@ -672,7 +672,9 @@ impl RedisCaller {
             }
         }
         if !unused.is_empty() {
-            self.give_back(&unused).await;
+            // In a task of its own: the call slot this batch holds is for deciding.
+            let caller = Arc::clone(self);
+            tokio::spawn(async move { caller.give_back(&unused).await });
         }
     }
 

@@ -154,12 +154,47 @@ async fn plain_counting_denied_takes_nothing(client: &mut RateLimitServiceClient
     assert_eq!(after.1, [(Code::Ok, 200), (Code::Ok, 700)], "nothing taken");
 }
 
+/// Hits given back land even on a key a charge left over its limit: a refund never denies.
+async fn a_refund_lands_on_a_key_in_debt(client: &mut RateLimitServiceClient<Channel>) {
+    for algorithm in [Algorithm::FixedWindow, Algorithm::TokenBucket] {
+        let key = format!("user_{}", algorithm.name());
+        let user: &[(&str, &str)] = &[(&key, "debt")];
+        assert_eq!(
+            call(client, &[(user, Some(1500))], 0).await.0,
+            Code::OverLimit
+        );
+        // The first refund leaves the key still over its limit; it lands all the same.
+        for back in [200, 800] {
+            let mut refund = descriptor(user);
+            refund.hits_addend = Some(back);
+            refund.is_negative_hits = true;
+            let given = client
+                .should_rate_limit(request("ai", vec![refund]))
+                .await
+                .expect("answer")
+                .into_inner();
+            assert_eq!(
+                given.overall_code,
+                Code::Ok as i32,
+                "{algorithm}: a refund never denies"
+            );
+        }
+        let after = call(client, &[(user, Some(0))], 0).await;
+        assert_eq!(
+            after.1,
+            [(Code::Ok, 500)],
+            "{algorithm}: 1500 charged, 1000 back"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_in_process() {
     let (mut client, stop) = serve(memory().await).await;
     a_charge_past_the_limit_is_recorded(&mut client).await;
     a_charge_lands_in_every_limit_of_the_call(&mut client).await;
     plain_counting_denied_takes_nothing(&mut client).await;
+    a_refund_lands_on_a_key_in_debt(&mut client).await;
     stop();
 }
 
@@ -170,6 +205,7 @@ async fn charges_on_redis() {
     a_charge_past_the_limit_is_recorded(&mut client).await;
     a_charge_lands_in_every_limit_of_the_call(&mut client).await;
     plain_counting_denied_takes_nothing(&mut client).await;
+    a_refund_lands_on_a_key_in_debt(&mut client).await;
     stop();
 }
 
