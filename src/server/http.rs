@@ -73,15 +73,7 @@ pub(super) async fn serve(
         }
     }
     drop(listener);
-    let _ = closing.send(true);
-    drop(closing_rx);
-    if tokio::time::timeout(grace, closing.closed()).await.is_err() {
-        tracing::warn!(
-            connections = closing.receiver_count(),
-            ?grace,
-            "HTTP connections still open after the shutdown grace period; closing them"
-        );
-    }
+    super::close_connections(closing, closing_rx, grace, "HTTP connections").await;
 }
 
 /// One HTTP/1 connection, kept alive between requests, each request head due within

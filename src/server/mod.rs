@@ -427,15 +427,7 @@ async fn serve_grpc<S: Store>(
     drop(listener);
     // The socket file goes with the listener: new clients fail at once instead of queueing.
     drop(unix);
-    let _ = closing.send(true);
-    drop(closing_rx);
-    if tokio::time::timeout(grace, closing.closed()).await.is_err() {
-        tracing::warn!(
-            connections = closing.receiver_count(),
-            ?grace,
-            "connections still open after the shutdown grace period; closing them"
-        );
-    }
+    close_connections(closing, closing_rx, grace, "connections").await;
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
@@ -522,4 +514,23 @@ pub fn raise_open_files_limit() -> std::io::Result<u64> {
         limit = raised;
     }
     Ok(limit.rlim_cur)
+}
+
+/// Tells every connection holding a receiver of `closing` to close, and waits up to `grace` for
+/// them to go; `what` names them in the warning when some do not.
+pub(super) async fn close_connections(
+    closing: tokio::sync::watch::Sender<bool>,
+    closing_rx: tokio::sync::watch::Receiver<bool>,
+    grace: std::time::Duration,
+    what: &str,
+) {
+    let _ = closing.send(true);
+    drop(closing_rx);
+    if tokio::time::timeout(grace, closing.closed()).await.is_err() {
+        tracing::warn!(
+            connections = closing.receiver_count(),
+            ?grace,
+            "{what} still open after the shutdown grace period; closing them"
+        );
+    }
 }

@@ -372,7 +372,7 @@ impl Cluster {
         if refunds.is_empty() {
             return;
         }
-        let budget = Budget::new(Instant::now(), None, self.command_timeout, self.timeout_cap);
+        let budget = Budget::from_now(None, self.command_timeout, self.timeout_cap);
         let groups: Vec<Vec<Check>> = group_by_slot(&refunds)
             .into_iter()
             .map(|group| group.into_iter().map(|(_, check)| check).collect())
@@ -439,12 +439,7 @@ impl Store for ClusterStore {
         deadline: Option<Instant>,
     ) -> Result<Vec<Outcome>, StoreError> {
         let inner = &self.inner;
-        let budget = Budget::new(
-            Instant::now(),
-            deadline,
-            inner.command_timeout,
-            inner.timeout_cap,
-        );
+        let budget = Budget::from_now(deadline, inner.command_timeout, inner.timeout_cap);
         let (reply, answer) = oneshot::channel();
         let (inner, checks) = (Arc::clone(inner), checks.to_vec());
         tokio::spawn(async move {
@@ -467,12 +462,7 @@ impl Cluster {
         checks: &[Check],
         deadline: Option<Instant>,
     ) -> Result<Vec<Outcome>, StoreError> {
-        let budget = Budget::new(
-            Instant::now(),
-            deadline,
-            self.command_timeout,
-            self.timeout_cap,
-        );
+        let budget = Budget::from_now(deadline, self.command_timeout, self.timeout_cap);
         let groups = group_by_slot(checks);
         // Quota checks in several groups are decided together, here: each group takes them as
         // shadow checks.
@@ -568,8 +558,7 @@ impl Cluster {
                 .filter(|refund| !refund.is_empty())
                 .collect();
             // A refund waits its own command timeout: it must land even past the caller's.
-            let refund_budget =
-                Budget::new(Instant::now(), None, self.command_timeout, self.timeout_cap);
+            let refund_budget = Budget::from_now(None, self.command_timeout, self.timeout_cap);
             let results = join_all(
                 refunds
                     .iter()

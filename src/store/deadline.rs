@@ -68,6 +68,11 @@ impl Budget {
         }
     }
 
+    /// The budget of a call starting now; see [`Budget::new`].
+    pub fn from_now(deadline: Option<Instant>, default: Duration, cap: Duration) -> Budget {
+        Budget::new(Instant::now(), deadline, default, cap)
+    }
+
     /// The whole wait this budget allows.
     pub fn total(&self) -> Duration {
         self.deadline.saturating_duration_since(self.started)

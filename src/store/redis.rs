@@ -281,8 +281,7 @@ impl Lane {
         checks: &[Check],
         deadline: Option<Instant>,
     ) -> Result<Vec<Outcome>, StoreError> {
-        let budget = Budget::new(
-            Instant::now(),
+        let budget = Budget::from_now(
             deadline,
             self.caller.command_timeout,
             self.caller.timeout_cap,

@@ -78,6 +78,17 @@ impl Rlsd {
         .await
     }
 
+    /// [`EXACT`] on `redis`, answering errors, with the store's default timeouts.
+    async fn exact_by_default(redis: &RedisServer) -> Rlsd {
+        Rlsd::start(
+            EXACT,
+            &redis.url(),
+            FailureMode::Error,
+            rlsd::store::redis::DEFAULT_COMMAND_TIMEOUT,
+        )
+        .await
+    }
+
     async fn client(&self) -> RateLimitServiceClient<Channel> {
         RateLimitServiceClient::connect(format!("http://{}", self.grpc))
             .await
@@ -468,13 +479,7 @@ fn signal_redis(redis: &RedisServer, signal: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_timed_out_while_redis_was_stopped_leave_no_trace() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(
-        EXACT,
-        &redis.url(),
-        FailureMode::Error,
-        rlsd::store::redis::DEFAULT_COMMAND_TIMEOUT,
-    )
-    .await;
+    let rlsd = Rlsd::exact_by_default(&redis).await;
     let mut client = rlsd.client().await;
     let envoy = Duration::from_millis(200);
     for algorithm in Algorithm::ALL {
@@ -625,13 +630,7 @@ async fn three_replicas_on_a_loaded_machine_admit_exactly_the_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_stays_within_the_callers_budget() {
     let redis = RedisServer::start();
-    let rlsd = Rlsd::start(
-        EXACT,
-        &redis.url(),
-        FailureMode::Error,
-        rlsd::store::redis::DEFAULT_COMMAND_TIMEOUT,
-    )
-    .await;
+    let rlsd = Rlsd::exact_by_default(&redis).await;
     let client = rlsd.client().await;
     let calls: Vec<_> = (0..8)
         .map(|_| {
