@@ -646,13 +646,23 @@ impl tonic::codegen::Service<http::Uri> for CountingConnector {
     }
 }
 
-/// Whether a call failed in the client before it was sent: hyper's client cancels the calls
-/// still queued for a connection that is going away.
+/// Whether a call failed in the client before rlsd could process it: hyper's client cancels the
+/// calls still queued for a connection that is going away, and h2 refuses a stream opened as the
+/// GOAWAY arrives.
 fn never_sent(status: &tonic::Status) -> bool {
     let mut source = std::error::Error::source(status);
     while let Some(error) = source {
-        if let Some(error) = error.downcast_ref::<hyper::Error>() {
-            return error.is_canceled();
+        if let Some(error) = error.downcast_ref::<hyper::Error>()
+            && error.is_canceled()
+        {
+            return true;
+        }
+        // A stream the client opened as the GOAWAY came: refused by it, so never processed
+        // (RFC 9113 §6.8: safe to send again).
+        if let Some(error) = error.downcast_ref::<h2::Error>() {
+            return error.is_go_away()
+                && error.is_remote()
+                && error.reason() == Some(h2::Reason::NO_ERROR);
         }
         source = error.source();
     }
