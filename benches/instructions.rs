@@ -236,7 +236,12 @@ fn redis_side_total(
         let reply: String = command
             .query(&mut connection)
             .map_err(|e| format!("EVALSHA: {e}"))?;
-        let allowed = reply.split(' ').step_by(3).all(|verdict| verdict == "1");
+        // The script's clock comes first, then three numbers per check.
+        let allowed = reply
+            .split(' ')
+            .skip(1)
+            .step_by(3)
+            .all(|verdict| verdict == "1");
         if body == ScriptBody::Store && !allowed {
             return Err(format!("a request was not allowed: {reply}"));
         }
