@@ -660,14 +660,11 @@ impl RedisCaller {
         let mut unused = Vec::new();
         for (job, answer) in jobs.into_iter().zip(answers) {
             let answer = answer.ok_or_else(|| job.budget.exceeded());
-            let committed = match &answer {
-                Ok(outcomes) if request_allowed(&job.checks, outcomes) => {
-                    refunds(&job.checks, outcomes)
-                }
-                _ => Vec::new(),
-            };
-            if job.reply.send(answer).is_err() {
-                unused.extend(committed);
+            // A send that fails hands the answer back: nobody took it.
+            if let Err(Ok(outcomes)) = job.reply.send(answer)
+                && request_allowed(&job.checks, &outcomes)
+            {
+                unused.extend(refunds(&job.checks, &outcomes));
             }
         }
         if !unused.is_empty() {
