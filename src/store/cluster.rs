@@ -13,8 +13,9 @@
 //! ones removed (same count, so the window holds the same number); a token bucket's refilled
 //! tokens are recomputed in floating point, which can move its reported reset by 1 ms. If a
 //! refund itself fails those hits stay counted until their window passes: never more than one
-//! request's hits, and logged. A denied cross-slot request takes two round trips (three when it gives hits back),
-//! each bounded by the command timeout.
+//! request's hits, and logged. A denied cross-slot request takes two round trips (three when it gives hits back).
+//! Each request is decided in a task of its own, answered by the caller's deadline; its calls
+//! are awaited up to `--redis-timeout-cap-ms`, and what a late answer committed is given back.
 //!
 //! # Keys
 //! Keys carry no hash tag (request values are escaped, so none can plant one): each limit's
@@ -22,8 +23,6 @@
 //! usually span several slots, hence the grouping.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -211,25 +210,19 @@ impl Cluster {
             }
         };
         let mut connection = ClusterConnection::clone(&self.connection.load());
-        // Owns what it needs, so it can finish after the caller stopped waiting. Never retried
-        // after a timeout: the script may have run, and a retry could count twice.
-        let mut call = Box::pin(async move { script_call.run(&mut connection).await });
-        let reply = tokio::select! {
-            biased;
-            reply = &mut call => reply,
-            () = tokio::time::sleep_until(budget.deadline.into()) => {
-                self.rebuild_connection();
-                if kind == Call::Deciding {
-                    self.give_back_if_committed(call, checks.to_vec());
-                }
-                return Err(budget.exceeded());
-            }
-        };
-        let reply: Vec<u8> = match reply {
-            Ok(reply) => reply,
-            Err(error) => {
+        // Awaited up to the cap, past the caller's deadline: this runs in the request's own task
+        // (see `decide_by`), which gives back what a late answer committed. Never retried after
+        // a timeout: the script may have run, and a retry could count twice.
+        let call = script_call.run(&mut connection);
+        let reply: Vec<u8> = match tokio::time::timeout(self.timeout_cap, call).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(error)) => {
                 self.rebuild_connection();
                 return Err(StoreError::Unavailable(error.to_string()));
+            }
+            Err(_) => {
+                self.rebuild_connection();
+                return Err(StoreError::Timeout(self.timeout_cap));
             }
         };
         let reply = split_reply(&reply, &[checks.len()])?;
@@ -241,43 +234,6 @@ impl Cluster {
                 "no answer for the slot group".to_owned(),
             )),
         }
-    }
-
-    /// Awaits, in the background, a call whose caller stopped waiting; if its reply shows the
-    /// group committed, gives its hits back, so the unused answer leaves no trace.
-    fn give_back_if_committed(
-        &self,
-        call: Pin<Box<dyn Future<Output = redis::RedisResult<Vec<u8>>> + Send>>,
-        checks: Vec<Check>,
-    ) {
-        let connection = ClusterConnection::clone(&self.connection.load());
-        let fixed_clock = self.fixed_clock.clone();
-        let cap = self.timeout_cap;
-        tokio::spawn(async move {
-            let Ok(Ok(reply)) = tokio::time::timeout(cap, call).await else {
-                return;
-            };
-            let Ok(reply) = split_reply(&reply, &[checks.len()]) else {
-                return;
-            };
-            let Some(Some(outcomes)) = reply.answers.into_iter().next() else {
-                return;
-            };
-            if !request_allowed(&checks, &outcomes) {
-                return;
-            }
-            let back = refunds(&checks, &outcomes);
-            let call = ScriptCall::new(fixed_clock.as_deref(), &[(&back, None)]);
-            let mut connection = connection;
-            match tokio::time::timeout(cap, call.run(&mut connection)).await {
-                Ok(Ok(_)) => {
-                    tracing::debug!("redis cluster: gave back the hits of an unused answer")
-                }
-                _ => tracing::warn!(
-                    "redis cluster: giving back the hits of an unused answer failed; they stay counted"
-                ),
-            }
-        });
     }
 
     /// Reads the clock of the node holding `key`, by `deadline`.
@@ -317,8 +273,7 @@ type Members = [(usize, Check)];
 /// What a slot group's call is for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Call {
-    /// Decides and commits, within the caller's budget; hits of an answer that comes too late
-    /// are given back.
+    /// Decides and commits, its script within the caller's budget.
     Deciding,
     /// Evaluates only (with the dry-run guard): charges are not recorded.
     Evaluating,
