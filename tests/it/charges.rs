@@ -188,9 +188,9 @@ async fn a_refund_lands_on_a_key_in_debt(client: &mut RateLimitServiceClient<Cha
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn charges_in_process() {
-    let (mut client, stop) = serve(memory().await).await;
+/// Every scenario above against rlsd on `store`.
+async fn every_charge_scenario(store: AnyStore) {
+    let (mut client, stop) = serve(store).await;
     a_charge_past_the_limit_is_recorded(&mut client).await;
     a_charge_lands_in_every_limit_of_the_call(&mut client).await;
     plain_counting_denied_takes_nothing(&mut client).await;
@@ -199,14 +199,14 @@ async fn charges_in_process() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_in_process() {
+    every_charge_scenario(memory().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_on_redis() {
     let server = RedisServer::start();
-    let (mut client, stop) = serve(redis(&server).await).await;
-    a_charge_past_the_limit_is_recorded(&mut client).await;
-    a_charge_lands_in_every_limit_of_the_call(&mut client).await;
-    plain_counting_denied_takes_nothing(&mut client).await;
-    a_refund_lands_on_a_key_in_debt(&mut client).await;
-    stop();
+    every_charge_scenario(redis(&server).await).await;
 }
 
 /// `charge: never` keeps a denied request's descriptor costs out, as before; `charge: always`
