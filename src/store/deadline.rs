@@ -6,7 +6,7 @@
 //! with the `TIME` it read): a reply received at local instant `t1` that carries Redis time `r`
 //! was read at or before `t1`, so `r - t1` is a lower bound of the offset, and deadlines built
 //! on it are never later than the truth. The tightest bound of the last second is kept; one older
-//! than [`FRESH_FOR`] (after a quiet spell) is read again with `TIME` before it is used, so a
+//! than [`FRESH_FOR_US`] (after a quiet spell) is read again with `TIME` before it is used, so a
 //! Redis clock that stepped meanwhile is seen. Nodes of a Redis Cluster are taken to share one
 //! clock (NTP keeps them within a millisecond or so); an answer that comes too late anyway has its
 //! hits given back (see the Redis store).
