@@ -359,6 +359,10 @@ pub struct ServeArgs {
     /// a body that would wait for more beyond it is refused (gRPC: RESOURCE_EXHAUSTED).
     #[arg(long, env = "RLSD_MAX_BUFFERED_REQUEST_BYTES", value_name = "BYTES", default_value_t = ConnectionLimits::DEFAULT_MAX_BUFFERED_REQUEST_BYTES, value_parser = at_least_one)]
     pub max_buffered_request_bytes: usize,
+    /// Bytes of request bodies still arriving that each connection may hold before drawing on
+    /// `--max-buffered-request-bytes`, so its ordinary calls are answered while that is spent.
+    #[arg(long, env = "RLSD_CONNECTION_BODY_RESERVE_BYTES", value_name = "BYTES", default_value_t = ConnectionLimits::DEFAULT_CONNECTION_BODY_RESERVE_BYTES)]
+    pub connection_body_reserve_bytes: usize,
     /// On the HTTP ports (admin, debug, metrics): milliseconds a client has to send each
     /// request head, after connecting or after the previous answer, before it is disconnected.
     #[arg(long, env = "RLSD_HTTP_HEADER_TIMEOUT_MS", value_name = "MS", default_value_t = millis(ConnectionLimits::DEFAULT_HTTP_HEADER_TIMEOUT), value_parser = at_least_one_ms)]
@@ -648,6 +652,7 @@ impl ServeArgs {
                 first_request_timeout: Duration::from_millis(self.grpc_first_request_timeout_ms),
                 request_body_timeout: Duration::from_millis(self.request_body_timeout_ms),
                 max_buffered_request_bytes: self.max_buffered_request_bytes,
+                connection_body_reserve_bytes: self.connection_body_reserve_bytes,
                 max_connection_age: (!age.is_zero()).then_some(age),
                 max_connection_age_grace: seconds(
                     self.grpc_max_connection_age_grace_seconds,

@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::accept;
-use super::body::{BodyGuard, BodyLimits, GuardedBody};
+use super::body::{BodyGuard, BodyLimits, BodyShape, GuardedBody};
 
 /// A router whose requests' bodies are held to [`BodyLimits`]; clone it once per connection.
 #[derive(Clone)]
@@ -48,7 +48,7 @@ impl hyper::service::Service<::http::Request<Incoming>> for Guarded {
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
         self.router
-            .call(request.map(|body| self.bodies.guard(body)))
+            .call(request.map(|body| self.bodies.guard(body, BodyShape::Opaque)))
     }
 }
 

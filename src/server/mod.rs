@@ -148,6 +148,10 @@ pub struct ConnectionLimits {
     /// Bytes that request bodies still arriving may hold in all, on every port and connection;
     /// a body that would wait for more beyond it is refused: RESOURCE_EXHAUSTED on gRPC.
     pub max_buffered_request_bytes: usize,
+    /// Bytes of request bodies still arriving that each connection may hold of its own before
+    /// drawing on `max_buffered_request_bytes`, so that its ordinary calls are answered however
+    /// their frames arrive while other connections hold the shared budget.
+    pub connection_body_reserve_bytes: usize,
     /// A gRPC connection is sent GOAWAY after this long, give or take 10 %, so that clients
     /// reconnect and spread over replicas; `None`: never.
     pub max_connection_age: Option<Duration>,
@@ -166,6 +170,9 @@ impl ConnectionLimits {
     /// Default [`ConnectionLimits::max_buffered_request_bytes`]: a thousand partial requests of
     /// the default `--max-message-bytes`.
     pub const DEFAULT_MAX_BUFFERED_REQUEST_BYTES: usize = 64 << 20;
+    /// Default [`ConnectionLimits::connection_body_reserve_bytes`]: one HTTP/2 frame of the
+    /// default size, far more than an Envoy request.
+    pub const DEFAULT_CONNECTION_BODY_RESERVE_BYTES: usize = 16 << 10;
     /// Default [`ConnectionLimits::max_connection_age`], envoyproxy/ratelimit's.
     pub const DEFAULT_MAX_CONNECTION_AGE: Duration = Duration::from_secs(24 * 3600);
     /// Default [`ConnectionLimits::max_connection_age_grace`], envoyproxy/ratelimit's.
@@ -180,6 +187,7 @@ impl Default for ConnectionLimits {
             first_request_timeout: Self::DEFAULT_FIRST_REQUEST_TIMEOUT,
             request_body_timeout: Self::DEFAULT_REQUEST_BODY_TIMEOUT,
             max_buffered_request_bytes: Self::DEFAULT_MAX_BUFFERED_REQUEST_BYTES,
+            connection_body_reserve_bytes: Self::DEFAULT_CONNECTION_BODY_RESERVE_BYTES,
             max_connection_age: Some(Self::DEFAULT_MAX_CONNECTION_AGE),
             max_connection_age_grace: Self::DEFAULT_MAX_CONNECTION_AGE_GRACE,
             http_header_timeout: Self::DEFAULT_HTTP_HEADER_TIMEOUT,
@@ -278,6 +286,7 @@ pub async fn run_with<S: Store>(
     let bodies = body::BodyLimits::new(
         options.limits.request_body_timeout,
         options.limits.max_buffered_request_bytes,
+        options.limits.connection_body_reserve_bytes,
     );
     let routes = GrpcRoutes {
         // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
@@ -356,6 +365,9 @@ pub async fn run_with<S: Store>(
     Ok(())
 }
 
+/// gRPC health's one unary method; its `Watch` streams.
+const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
+
 /// The gRPC services: `RateLimitService` called directly, the rest (health, reflection) through
 /// tonic's router, which boxes and matches every call. Unlike tonic's own server this does not
 /// cut a call off at its `grpc-timeout`: every store call has its own bound
@@ -383,12 +395,17 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
     type Future = BoxFuture<::http::Response<Body>, Infallible>;
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
-        let request = request.map(|body| self.bodies.guard(body));
         let path = request.uri().path();
         let rate_limit = path
             .strip_prefix('/')
             .and_then(|path| path.strip_prefix(RateLimitServiceServer::<RateLimiter<S>>::NAME))
             .is_some_and(|method| method.starts_with('/'));
+        let shape = if rate_limit || path == HEALTH_CHECK_PATH {
+            body::BodyShape::Unary
+        } else {
+            body::BodyShape::Streaming
+        };
+        let request = request.map(|body| self.bodies.guard(body, shape));
         // Both services are always ready (tonic's generated servers and router say so), so
         // `call` needs no `poll_ready` first.
         if rate_limit {

@@ -209,6 +209,13 @@ impl RawH2 {
     /// A whole `ShouldRateLimit` call on `stream`, as tonic's client sends one: it must be
     /// answered with a message, not reset.
     fn call(&mut self, stream: u32) {
+        self.call_in_parts(stream, Split::Whole);
+    }
+
+    /// A whole `ShouldRateLimit` call on `stream`, its frames sent as `split` says with a pause
+    /// between the writes, so that the server reads them apart: it must be answered with a
+    /// message, not reset.
+    fn call_in_parts(&mut self, stream: u32, split: Split) {
         let body = rlsd_testkit::h2load::grpc_body(&request(
             "edge",
             vec![descriptor(&[("client", "raw")])],
@@ -223,15 +230,46 @@ impl RawH2 {
             stream,
         );
         frames.extend_from_slice(&block);
-        rawh2::frame_header(
-            &mut frames,
-            body.len(),
-            rawh2::DATA,
-            rawh2::END_STREAM,
-            stream,
-        );
-        frames.extend_from_slice(&body);
+        let mut writes = Vec::new();
+        match split {
+            Split::Whole => {
+                rawh2::frame_header(
+                    &mut frames,
+                    body.len(),
+                    rawh2::DATA,
+                    rawh2::END_STREAM,
+                    stream,
+                );
+                frames.extend_from_slice(&body);
+            }
+            Split::EndStreamLater => {
+                rawh2::frame_header(&mut frames, body.len(), rawh2::DATA, 0, stream);
+                frames.extend_from_slice(&body);
+                let mut end = Vec::new();
+                rawh2::frame_header(&mut end, 0, rawh2::DATA, rawh2::END_STREAM, stream);
+                writes.push(end);
+            }
+            Split::MessageInTwo => {
+                let (head, tail) = body.split_at(body.len() / 2);
+                rawh2::frame_header(&mut frames, head.len(), rawh2::DATA, 0, stream);
+                frames.extend_from_slice(head);
+                let mut rest = Vec::new();
+                rawh2::frame_header(
+                    &mut rest,
+                    tail.len(),
+                    rawh2::DATA,
+                    rawh2::END_STREAM,
+                    stream,
+                );
+                rest.extend_from_slice(tail);
+                writes.push(rest);
+            }
+        }
         self.send(&frames);
+        for write in writes {
+            std::thread::sleep(Duration::from_millis(100));
+            self.send(&write);
+        }
         let mut answered = false;
         loop {
             let (kind, flags, on, payload) = self.frame().expect("an answer");
@@ -271,6 +309,18 @@ impl RawH2 {
     }
 }
 
+/// How a whole call's frames reach the server.
+#[derive(Clone, Copy)]
+enum Split {
+    /// HEADERS, then DATA with the message and END_STREAM, in one write.
+    Whole,
+    /// HEADERS and DATA with the message; END_STREAM on an empty DATA frame in a later write,
+    /// as tonic's and hyper's clients often send it.
+    EndStreamLater,
+    /// HEADERS and DATA with half the message; the other half with END_STREAM later.
+    MessageInTwo,
+}
+
 /// A request body that sends its one chunk, then nothing more, ever.
 struct Partial(Option<Bytes>);
 
@@ -289,9 +339,9 @@ impl http_body::Body for Partial {
     }
 }
 
-/// The gRPC status of a `ShouldRateLimit` call whose body stops after its first 1,000 bytes,
+/// The gRPC status of a `ShouldRateLimit` call whose body stops after its first `sent` bytes,
 /// sent on a connection of its own by hyper's HTTP/2 client (which decodes the answer).
-async fn partial_call_status(grpc: SocketAddr) -> tonic::Code {
+async fn partial_call_status(grpc: SocketAddr, sent: usize) -> tonic::Code {
     let socket = tokio::net::TcpStream::connect(grpc).await.expect("connect");
     let (mut sender, connection) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(socket))
@@ -300,7 +350,7 @@ async fn partial_call_status(grpc: SocketAddr) -> tonic::Code {
     let connection = tokio::spawn(connection);
     let mut chunk = vec![0_u8];
     chunk.extend_from_slice(&DECLARED.to_be_bytes());
-    chunk.resize(1000, 0);
+    chunk.resize(sent, 0);
     let call = http::Request::post(format!(
         "http://{grpc}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
     ))
@@ -351,7 +401,7 @@ async fn request_bodies_that_stop_short_are_refused_at_their_deadline() {
         "ended {ended:?} after they were sent, before the deadline"
     );
     assert_eq!(
-        partial_call_status(grpc).await,
+        partial_call_status(grpc, 1000).await,
         tonic::Code::DeadlineExceeded
     );
     answered(grpc).await;
@@ -360,12 +410,13 @@ async fn request_bodies_that_stop_short_are_refused_at_their_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_buffer_budget_partial_bodies_are_refused_and_whole_requests_still_answered() {
-    // 16 frames of 16 KiB fill the budget exactly: of 40 such partial calls, 24 are refused at
-    // once, 16 wait until the deadline.
+    // The connection's 16 KiB reserve and 16 frames of 16 KiB fill it exactly: of 40 such
+    // partial calls, 23 are refused at once, 17 wait until the deadline.
     const FRAME: usize = 16_384;
     let server = Server::start(ConnectionLimits {
         request_body_timeout: Duration::from_secs(4),
         max_buffered_request_bytes: 16 * FRAME,
+        connection_body_reserve_bytes: FRAME,
         ..ConnectionLimits::default()
     })
     .await;
@@ -377,23 +428,35 @@ async fn past_the_buffer_budget_partial_bodies_are_refused_and_whole_requests_st
             raw.partial_call(stream, FRAME);
         }
         let mut open: HashSet<u32> = streams.into_iter().collect();
-        raw.await_ended(&mut open, 24);
+        raw.await_ended(&mut open, 23);
         (raw, open)
     })
     .await
     .expect("client thread");
-    // The budget is spent: a new partial call is refused at once, not held...
+    // The budget is spent: a new partial call past its own connection's reserve is refused at
+    // once, not held...
     assert_eq!(
-        partial_call_status(grpc).await,
+        partial_call_status(grpc, FRAME + 4_000).await,
         tonic::Code::ResourceExhausted
     );
-    // ...while a whole request, which never waits for its body, is answered.
+    // ...while whole requests, however their frames arrive, are answered: in one write (every
+    // one Envoy sends), with END_STREAM in a later frame (tonic's client), or with the message
+    // itself split. Each on its connection, which stays open for the next.
     answered(grpc).await;
-    // The 16 that were let in end at their deadline and give their bytes back (had more been
-    // let in, some would have had to reach their deadline for 24 to end, and the budget would
+    tokio::task::spawn_blocking(move || {
+        let mut other = RawH2::open(grpc);
+        other.call_in_parts(1, Split::EndStreamLater);
+        other.call_in_parts(3, Split::MessageInTwo);
+        other.call_in_parts(5, Split::EndStreamLater);
+        other.call_in_parts(7, Split::Whole);
+    })
+    .await
+    .expect("client thread");
+    // The 17 that were let in end at their deadline and give their bytes back (had more been
+    // let in, some would have had to reach their deadline for 23 to end, and the budget would
     // have had room for the call above).
     let raw = tokio::task::spawn_blocking(move || {
-        raw.await_ended(&mut open, 16);
+        raw.await_ended(&mut open, 17);
         raw
     })
     .await
@@ -401,7 +464,7 @@ async fn past_the_buffer_budget_partial_bodies_are_refused_and_whole_requests_st
     drop(raw);
     answered(grpc).await;
     assert_eq!(
-        partial_call_status(grpc).await,
+        partial_call_status(grpc, FRAME + 4_000).await,
         tonic::Code::DeadlineExceeded,
         "the budget was not given back"
     );
