@@ -146,6 +146,7 @@ impl Metrics {
         let scale = latency_unit.per_second();
         let per_limit = ["domain", "descriptor"];
         let r = &registry;
+        register(r, crate::server::shed::SHED_TOTAL.clone());
         let request_duration = register(
             r,
             Histogram::with_opts(

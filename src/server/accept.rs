@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::sync::watch;
 
+use super::shed::{self, Registration};
 use super::unix::{self, UnixSocket};
 use super::{GrpcRoutes, connection, lanes};
 use crate::store::Store;
@@ -45,8 +46,9 @@ pub(super) fn dispatch<S: Store>(
     times: connection::Times,
     closing: watch::Receiver<bool>,
 ) {
+    let registration = Registration::new(shed::Port::Grpc);
     let Some(lanes) = lanes else {
-        tokio::spawn(serve(accepted, tls, routes, times, closing));
+        tokio::spawn(serve(accepted, registration, tls, routes, times, closing));
         return;
     };
     // Registered with this runtime's reactor, the socket would wake this runtime's threads for
@@ -70,7 +72,7 @@ pub(super) fn dispatch<S: Store>(
             Detached::Unix(socket) => UnixStream::from_std(socket).map(Accepted::Unix),
         };
         match attached {
-            Ok(accepted) => serve(accepted, tls, routes, times, closing).await,
+            Ok(accepted) => serve(accepted, registration, tls, routes, times, closing).await,
             Err(error) => tracing::debug!(%error, "cannot register a connection on its lane"),
         }
     });
@@ -79,26 +81,31 @@ pub(super) fn dispatch<S: Store>(
 /// The TLS handshake when the TCP port has TLS, then the connection.
 async fn serve<S: Store>(
     accepted: Accepted,
+    registration: Registration,
     tls: Option<Arc<TlsSettings>>,
     routes: GrpcRoutes<S>,
     times: connection::Times,
     mut closing: watch::Receiver<bool>,
 ) {
     match (accepted, tls) {
-        (Accepted::Unix(socket), _) => connection::serve(socket, routes, times, closing).await,
+        (Accepted::Unix(socket), _) => {
+            connection::serve(socket, registration, routes, times, closing).await;
+        }
         (Accepted::Tcp(socket, _), None) => {
-            connection::serve(socket, routes, times, closing).await;
+            connection::serve(socket, registration, routes, times, closing).await;
         }
         (Accepted::Tcp(socket, peer), Some(tls)) => {
             let handshake =
                 crate::tls::handshake(socket, peer, tls.acceptor(), tls.handshake_timeout);
-            // A client that never finishes its handshake must not hold up shutdown.
+            // A client that never finishes its handshake must not hold up shutdown, nor keep
+            // its descriptor when others need one.
             let handshaken = tokio::select! {
                 handshaken = handshake => handshaken,
                 _ = closing.wait_for(|closing| *closing) => None,
+                () = registration.tracked().shed() => None,
             };
             if let Some(tls_connection) = handshaken {
-                connection::serve(tls_connection, routes, times, closing).await;
+                connection::serve(tls_connection, registration, routes, times, closing).await;
             }
         }
     }
@@ -124,13 +131,16 @@ pub(super) async fn tcp(listener: &TcpListener) -> (TcpStream, SocketAddr) {
 
 /// Shortest pause after an accept error that is not about one connection.
 const MIN_ACCEPT_PAUSE: Duration = Duration::from_millis(5);
+/// Pause after shedding connections, before accepting again.
+const SHED_PAUSE: Duration = Duration::from_millis(2);
 /// Longest pause: once descriptors are free again, connections wait at most this long.
 const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
 
 /// A run of accept errors. One about the listener rather than one connection (out of file
 /// descriptors, above all) fails again at once if retried at once, and the connection stays
 /// queued: so the loop pauses, doubling from 5 ms to 1 s as Go's `net/http` does, instead of
-/// spinning, and logs a warning once per run, not per attempt.
+/// spinning, and logs a warning once per run, not per attempt. Out of descriptors, it first
+/// sheds connections that cost least to lose ([`shed`]) and tries again after a short pause.
 #[derive(Default)]
 pub(super) struct AcceptErrors {
     failures: u32,
@@ -145,6 +155,14 @@ impl AcceptErrors {
             return;
         }
         self.failures += 1;
+        if out_of_descriptors(error) && shed::shed_some() > 0 {
+            if self.failures == 1 {
+                tracing::warn!(%error, "accept failed; closing connections that sent no request or are idle, to make room");
+            }
+            // Long enough for the shed connections' tasks to close their sockets.
+            tokio::time::sleep(SHED_PAUSE).await;
+            return;
+        }
         self.pause = (self.pause * 2).clamp(MIN_ACCEPT_PAUSE, MAX_ACCEPT_PAUSE);
         if self.failures == 1 {
             tracing::warn!(%error, "accept failed; retrying, pausing up to 1 s between attempts");
@@ -160,6 +178,11 @@ impl AcceptErrors {
             tracing::info!(failures = self.failures, "accepting connections again");
         }
     }
+}
+
+/// Whether an accept error says the process or the system has no file descriptor left.
+fn out_of_descriptors(error: &std::io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 /// Whether an accept error concerns only the one connection being accepted.

@@ -94,6 +94,7 @@ enum Ended<T> {
 /// shut down gracefully too, and closed if its calls take longer than `times.age_grace`.
 pub(crate) async fn serve<I, S, B>(
     io: I,
+    registration: super::shed::Registration,
     service: S,
     times: Times,
     mut closing: watch::Receiver<bool>,
@@ -119,7 +120,8 @@ pub(crate) async fn serve<I, S, B>(
             .auto_date_header(false);
         builder.serve_connection(TokioIo::new(UnvectoredWrites(io)), service)
     };
-    let mut served = Served::new(queue, connection);
+    let tracked = registration.tracked();
+    let mut served = Served::new(queue, connection, Arc::clone(tracked));
     let first_request = tokio::time::sleep(times.first_request);
     let mut awaiting_first = true;
     let age = times.max_age.map(|age| jittered(age, draw()));
@@ -135,6 +137,10 @@ pub(crate) async fn serve<I, S, B>(
             result = &mut served => break Ended::Served(result),
             _ = closing.wait_for(|closing| *closing) => break Ended::Closing,
             () = &mut aged => break Ended::Aged,
+            () = tracked.shed() => {
+                tracing::debug!("out of file descriptors; closing a connection with no call in flight");
+                return;
+            }
             () = &mut first_request, if awaiting_first => {
                 if !served.started {
                     // Nothing in flight to finish: no GOAWAY, which a silent peer would never
@@ -264,6 +270,8 @@ struct Served<C> {
     connection: Pin<Box<C>>,
     /// Whether the connection has spawned a stream yet.
     started: bool,
+    /// Where the connection notes whether it has calls in flight, for shedding.
+    tracked: Arc<super::shed::Tracked>,
     streams: FuturesUnordered<StreamTask>,
     /// Where queued streams are moved to under the lock, kept to reuse its allocation.
     adopted: Vec<StreamTask>,
@@ -273,11 +281,12 @@ struct Served<C> {
 }
 
 impl<C: Future> Served<C> {
-    fn new(queue: StreamQueue, connection: C) -> Self {
+    fn new(queue: StreamQueue, connection: C, tracked: Arc<super::shed::Tracked>) -> Self {
         let shared = queue.0;
         Served {
             connection: Box::pin(connection),
             started: false,
+            tracked,
             streams: FuturesUnordered::new(),
             adopted: Vec::new(),
             waker: Waker::from(Arc::clone(&shared)),
@@ -297,6 +306,7 @@ impl<C: Future> Future for Served<C> {
         let Served {
             connection,
             started,
+            tracked,
             streams,
             adopted,
             shared,
@@ -320,6 +330,9 @@ impl<C: Future> Future for Served<C> {
             *started |= !adopted.is_empty();
             streams.extend(adopted.drain(..));
             while let Poll::Ready(Some(())) = streams.poll_next_unpin(&mut inner) {}
+            if *started {
+                tracked.busy(!streams.is_empty());
+            }
             // Taking the flag (not a blind reset at the top of the round) keeps a wake that
             // lands between rounds, with the ordering the waker's store gave it.
             if !shared.woken.swap(false, Ordering::SeqCst) {
@@ -410,7 +423,7 @@ mod tests {
     fn a_stream_that_answers_at_once_is_answered_in_the_poll_that_spawned_it() {
         let queue = StreamQueue::default();
         let connection = connection_with_one_stream(queue.clone(), std::future::ready(()));
-        let mut served = Served::new(queue, connection);
+        let mut served = Served::new(queue, connection, super::super::shed::untracked());
         let runtime = Arc::new(RuntimeWaker::default());
         assert!(poll_once(&mut served, &runtime).is_ready());
         assert_eq!(
@@ -425,7 +438,7 @@ mod tests {
         let queue = StreamQueue::default();
         queue.execute(async { panic!("a handler's bug") });
         let connection = connection_with_one_stream(queue.clone(), std::future::ready(()));
-        let mut served = Served::new(queue, connection);
+        let mut served = Served::new(queue, connection, super::super::shed::untracked());
         let runtime = Arc::new(RuntimeWaker::default());
         assert!(poll_once(&mut served, &runtime).is_ready());
     }
@@ -437,7 +450,7 @@ mod tests {
         let connection = connection_with_one_stream(queue.clone(), async move {
             let _ = receive.await;
         });
-        let mut served = Served::new(queue, connection);
+        let mut served = Served::new(queue, connection, super::super::shed::untracked());
         let runtime = Arc::new(RuntimeWaker::default());
         assert!(poll_once(&mut served, &runtime).is_pending());
         assert_eq!(runtime.0.load(Ordering::SeqCst), 0);
@@ -461,7 +474,11 @@ mod tests {
                 Poll::<()>::Pending
             })
         };
-        let mut served = Served::new(StreamQueue::default(), connection);
+        let mut served = Served::new(
+            StreamQueue::default(),
+            connection,
+            super::super::shed::untracked(),
+        );
         let runtime = Arc::new(RuntimeWaker::default());
         assert!(poll_once(&mut served, &runtime).is_pending());
         assert_eq!(rounds.load(Ordering::SeqCst), MAX_ROUNDS);

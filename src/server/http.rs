@@ -17,18 +17,22 @@ use std::time::Duration;
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::{TowerToHyperService, TowerToHyperServiceFuture};
+use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tonic::codegen::BoxFuture;
 
 use super::accept;
-use super::body::{BodyGuard, BodyLimits, BodyShape, GuardedBody};
+use super::body::{BodyGuard, BodyLimits, BodyShape};
+use super::shed::{self, Registration, Tracked};
 
 /// A router whose requests' bodies are held to [`BodyLimits`]; clone it once per connection.
 #[derive(Clone)]
 pub(super) struct Guarded {
     router: TowerToHyperService<Router>,
     bodies: BodyGuard,
+    /// The connection's state for shedding: a request in flight or not.
+    tracked: Option<Arc<Tracked>>,
 }
 
 impl Guarded {
@@ -37,6 +41,15 @@ impl Guarded {
         Guarded {
             router: TowerToHyperService::new(router),
             bodies: BodyGuard::new(&bodies),
+            tracked: None,
+        }
+    }
+
+    /// This router for the connection `registration` holds.
+    fn for_connection(&self, registration: &Registration) -> Guarded {
+        Guarded {
+            tracked: Some(Arc::clone(registration.tracked())),
+            ..self.clone()
         }
     }
 }
@@ -44,11 +57,24 @@ impl Guarded {
 impl hyper::service::Service<::http::Request<Incoming>> for Guarded {
     type Response = axum::response::Response;
     type Error = Infallible;
-    type Future = TowerToHyperServiceFuture<Router, ::http::Request<GuardedBody<Incoming>>>;
+    type Future = BoxFuture<axum::response::Response, Infallible>;
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
-        self.router
-            .call(request.map(|body| self.bodies.guard(body, BodyShape::Opaque)))
+        // HTTP/1: one request at a time on the connection.
+        let tracked = self.tracked.clone();
+        if let Some(tracked) = &tracked {
+            tracked.busy(true);
+        }
+        let answer = self
+            .router
+            .call(request.map(|body| self.bodies.guard(body, BodyShape::Opaque)));
+        Box::pin(async move {
+            let answer = answer.await;
+            if let Some(tracked) = tracked {
+                tracked.busy(false);
+            }
+            answer
+        })
     }
 }
 
@@ -68,7 +94,9 @@ pub(super) async fn serve(
         tokio::select! {
             () = &mut signal => break,
             (socket, _) = accept::tcp(&listener) => {
-                tokio::spawn(connection(socket, service.clone(), header_timeout, closing_rx.clone()));
+                let registration = Registration::new(shed::Port::Http);
+                let service = service.for_connection(&registration);
+                tokio::spawn(connection(socket, registration, service, header_timeout, closing_rx.clone()));
             }
         }
     }
@@ -80,6 +108,7 @@ pub(super) async fn serve(
 /// `header_timeout`; holds `closing` until it ends.
 async fn connection(
     socket: TcpStream,
+    registration: Registration,
     service: Guarded,
     header_timeout: Duration,
     mut closing: watch::Receiver<bool>,
@@ -93,6 +122,7 @@ async fn connection(
     let closed_early = tokio::select! {
         result = connection.as_mut() => Some(result),
         _ = closing.wait_for(|closing| *closing) => None,
+        () = registration.tracked().shed() => return,
     };
     let result = match closed_early {
         Some(result) => result,

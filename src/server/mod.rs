@@ -5,6 +5,7 @@ mod body;
 mod connection;
 mod http;
 mod lanes;
+pub(crate) mod shed;
 mod unix;
 
 pub use connection::MAX_CONCURRENT_STREAMS;

@@ -866,3 +866,79 @@ async fn at_the_hard_limit_the_first_request_deadline_makes_room_for_a_client() 
     );
     drop(idle);
 }
+
+/// Whether the other side has closed `socket`: what it sent is read, without waiting.
+fn closed_by_peer(mut socket: &TcpStream) -> bool {
+    socket.set_nonblocking(true).expect("nonblocking");
+    let mut buf = [0_u8; 4096];
+    loop {
+        match socket.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(error) => return error.kind() != ErrorKind::WouldBlock,
+        }
+    }
+}
+
+/// The sum of `rlsd_connections_shed_total` series in `metrics` whose labels contain `labels`.
+fn shed_total(metrics: &str, labels: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with("rlsd_connections_shed_total{") && line.contains(labels))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_descriptors_idle_connections_are_shed_for_a_new_client() {
+    // Every descriptor taken by connections that never send a byte, on both ports, and their
+    // own deadline a minute off: only shedding them can let the client in.
+    let rlsd = rlsd_with_open_files(256, 256, &["--grpc-first-request-timeout-ms", "60000"]);
+    // A client that has called once and sits between calls: shed only after every silent one.
+    let mut kept = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+        .await
+        .expect("connect");
+    let call = || request("edge", vec![descriptor(&[("client", "kept")])]);
+    kept.should_rate_limit(call()).await.expect("an answer");
+    let idle_grpc = idle_connections(rlsd.grpc, 300);
+    let idle_http = idle_connections(rlsd.http, 300);
+    assert!(
+        eventually(|| rlsd.log().contains("accept failed")),
+        "the descriptors never ran out:\n{}",
+        rlsd.log()
+    );
+    let started = Instant::now();
+    tokio::time::timeout(READ_TIMEOUT, answered(rlsd.grpc))
+        .await
+        .expect("the client was locked out");
+    let took = started.elapsed();
+    eprintln!("a new gRPC client answered {took:?} after the descriptors ran out");
+    let (status, metrics) =
+        tokio::time::timeout(READ_TIMEOUT, common::http_get(rlsd.http, "/metrics"))
+            .await
+            .expect("the admin port was locked out");
+    assert_eq!(status, 200);
+    let (grpc, http) = (
+        shed_total(&metrics, r#"port="grpc""#),
+        shed_total(&metrics, r#"port="http""#),
+    );
+    eprintln!("shed: {grpc} gRPC and {http} HTTP connections");
+    assert!(grpc > 0.0 && http > 0.0, "nothing shed:\n{metrics}");
+    assert_eq!(
+        shed_total(&metrics, r#"state="idle""#),
+        0.0,
+        "a connection between calls went before the silent ones"
+    );
+    kept.should_rate_limit(call())
+        .await
+        .expect("the kept client still answered");
+    // The silent connections are the ones closed: the server's side of some has gone.
+    let closed = idle_grpc
+        .iter()
+        .chain(&idle_http)
+        .filter(|socket| closed_by_peer(socket))
+        .count();
+    eprintln!("{closed} of the 600 silent connections closed by rlsd");
+    assert!(closed > 0, "no silent connection was closed");
+    drop((idle_grpc, idle_http));
+}
