@@ -120,7 +120,6 @@ async fn istio_sample_environment_serves_its_config_from_its_redis_without_heade
 fn settings_it_cannot_honour_stop_the_start_by_name() {
     let dir = installed(PRODUCTPAGE);
     for (variable, value, said) in [
-        ("MERGE_DOMAIN_CONFIG", "true", "MERGE_DOMAIN_CONFIG=true"),
         ("BACKEND_TYPE", "memcache", "BACKEND_TYPE=memcache"),
         (
             "LIMIT_LIMIT_HEADER",
