@@ -195,10 +195,12 @@ pub fn load_str(file_name: &str, yaml: &str) -> Result<Domain, Vec<ConfigError>>
 /// The files [`load_path`] reads for `path`: the file itself, or every file below the
 /// directory, as envoyproxy/ratelimit's runtime loader (goruntime) finds them: whatever their
 /// names, in subdirectories too, in name order depth first; names starting with `.` skipped
-/// unless [`LoadOptions::dotfiles`]; symlinks to files followed, symlinks to directories not
-/// (goruntime cannot read them either). A file reached twice (a Kubernetes `ConfigMap` mount
-/// read with its dot directories: `name` is a symlink to `..data/name`, itself in the
-/// timestamped `..2026_...` directory) is read once, under its name outside dot directories.
+/// unless [`LoadOptions::dotfiles`], and names starting with `..` always (in a Kubernetes
+/// `ConfigMap` mount, `name` is a symlink to `..data/name`, `..data` one to the timestamped
+/// `..2026_...` directory: goruntime reading dot names reads each file twice there, and
+/// envoyproxy/ratelimit refuses the duplicate domain); symlinks to files followed, symlinks to
+/// directories not (goruntime cannot read them either). A file two paths reach is read once,
+/// under the first path without a dot-named component.
 ///
 /// # Errors
 /// When the path or a directory below it cannot be read.
@@ -282,7 +284,12 @@ fn walk(
         .collect::<Result<Vec<_>, _>>()?;
     entries.sort_by_key(fs::DirEntry::file_name);
     for entry in entries {
-        if !options.dotfiles && entry.file_name().to_string_lossy().starts_with('.') {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        // `..` names are the kubelet's own in a ConfigMap mount (`..data`, `..2026_...`,
+        // reserved by its atomic writer): their files are read through the visible symlinks,
+        // and an old version left for a moment mid-swap is never read.
+        if name.starts_with("..") || (!options.dotfiles && name.starts_with('.')) {
             continue;
         }
         let path = entry.path();

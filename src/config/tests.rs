@@ -1484,6 +1484,17 @@ fn kubernetes_configmap_layout_loads_each_file_once_with_or_without_dotfiles() {
         // `..data` is read through its target: nothing to warn about.
         assert!(super::unread_files(dir.path(), options).is_empty());
     }
+    // Mid-update: the new version is live and the old one not yet removed. Only the live one
+    // is read, dot names or not.
+    configmap(
+        dir.path(),
+        "..2026_12_07_21_10_00.2",
+        &[("a.yaml", "domain: a2\n"), ("limits.conf", "domain: b2\n")],
+    );
+    for options in [SKIP_DOTS, READ_DOTS] {
+        let config = load_path(dir.path(), options).unwrap();
+        assert_eq!(domain_names(&config), ["a2", "b2"], "{options:?}");
+    }
 }
 
 #[cfg(unix)]
@@ -1495,6 +1506,12 @@ fn symlinks_to_directories_are_not_followed_and_are_named_as_unread() {
     write(&dir.path().join("a.yaml"), "domain: a\n");
     std::os::unix::fs::symlink(outside.path(), dir.path().join("linked")).unwrap();
     std::os::unix::fs::symlink(outside.path().join("o.yaml"), dir.path().join("o.yaml")).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("a.yaml"), dir.path().join(".alias")).unwrap();
+    assert_eq!(
+        load_path(dir.path(), READ_DOTS).unwrap().domains["a"].source,
+        dir.path().join("a.yaml").display().to_string(),
+        "a file two names reach is read once, under the visible one"
+    );
     let config = load_path(dir.path(), SKIP_DOTS).unwrap();
     // goruntime reads the symlinked file, not the symlinked directory.
     assert_eq!(domain_names(&config), ["a", "outside"]);
