@@ -94,6 +94,9 @@ pub fn load_sources(
     let mut first_file: HashMap<String, String> = HashMap::new();
     // With merging: which file gave each top-level descriptor (and `plans:`) of each domain.
     let mut origins: HashMap<String, Origins> = HashMap::new();
+    // With merging: `replaces` to check once every file of their domain is in (domain, file,
+    // name, position).
+    let mut pending_replaces = Vec::new();
     for (name, text) in sources {
         let text = match text {
             Ok(text) => text,
@@ -107,6 +110,11 @@ pub fn load_sources(
             origins: &origins,
         });
         let loaded = load_file(&name, &text, merge);
+        if let Some((domain, _)) = &loaded.domain {
+            for (target, pos) in &loaded.unknown_replaces {
+                pending_replaces.push((domain.clone(), name.clone(), target.clone(), *pos));
+            }
+        }
         let mut file_errors = Vec::new();
         let mut duplicate = false;
         if let Some((domain, pos)) = &loaded.domain {
@@ -145,6 +153,20 @@ pub fn load_sources(
         }
         file_errors.sort_by_key(|error| (error.line, error.column));
         errors.append(&mut file_errors);
+    }
+    let mut names: HashMap<&str, HashSet<String>> = HashMap::new();
+    for (domain, file, target, pos) in &pending_replaces {
+        let Some(loaded) = config.domains.get(domain) else {
+            continue;
+        };
+        let known = names.entry(domain.as_str()).or_insert_with(|| {
+            let mut known = HashSet::new();
+            limit_names(&loaded.root, &mut known);
+            known
+        });
+        if !known.contains(target) {
+            errors.push(error_at(file, *pos, unknown_replaces(target, domain)));
+        }
     }
     if errors.is_empty() {
         Ok(config)
@@ -377,6 +399,8 @@ struct Loaded {
     /// When merging and the file has errors: the domain with what of it is valid, so later
     /// files of the domain are still checked against it.
     partial: Option<Domain>,
+    /// When merging: `replaces` names no limit of the domain has so far, and where each is.
+    unknown_replaces: Vec<(String, Pos)>,
 }
 
 /// Stack for parsing and walking a file: both recurse once per nesting level (serde-saphyr stops
@@ -422,6 +446,7 @@ fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
                     format!("invalid YAML: {message}"),
                 )]),
                 partial: None,
+                unknown_replaces: Vec::new(),
             };
         }
     };
@@ -439,7 +464,7 @@ fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
         base: None,
     };
     let (domain, root, plans) = walker.file(&root);
-    walker.check_replaces();
+    let unknown_replaces = walker.check_replaces();
     let mut errors = std::mem::take(&mut walker.errors);
     let (source, plans) = match walker.base.take() {
         Some(base) => (format!("{}, {file}", base.source), plans.or(base.plans)),
@@ -465,7 +490,13 @@ fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
         domain,
         result,
         partial,
+        unknown_replaces,
     }
+}
+
+/// The error for a `replaces` of a name no limit of `domain` has.
+fn unknown_replaces(name: &str, domain: &str) -> String {
+    format!("replaces unknown limit name '{name}' (no limit in domain '{domain}' has that name)")
 }
 
 /// Collects the name of every limit in `level` and below.
@@ -1535,15 +1566,21 @@ impl Walker<'_> {
     }
 
     /// Reports every `replaces` name that no limit of the domain has.
-    fn check_replaces(&mut self) {
+    /// When merging, the names not found yet are returned instead: a later file of the
+    /// domain may give them.
+    fn check_replaces(&mut self) -> Vec<(String, Pos)> {
+        let mut unknown = Vec::new();
         for (name, pos) in std::mem::take(&mut self.replaces_refs) {
-            if !self.limit_names.contains(&name) {
-                let reason = format!(
-                    "replaces unknown limit name '{name}' (no limit in domain '{}' has that name)",
-                    self.domain
-                );
+            if self.limit_names.contains(&name) {
+                continue;
+            }
+            if self.merge.is_some() {
+                unknown.push((name, pos));
+            } else {
+                let reason = unknown_replaces(&name, &self.domain);
                 self.error(pos, reason);
             }
         }
+        unknown
     }
 }

@@ -2173,3 +2173,42 @@ fn yaml_1_1_scalars_both_refuse_are_errors_at_their_line() {
         "invalid rate limit unit 'on'",
     );
 }
+
+#[test]
+fn a_merged_replaces_may_name_a_limit_of_any_file_of_its_domain() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("a.yaml"),
+        "domain: m\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 3, replaces: [{name: later}]}\n",
+    );
+    write(
+        &dir.path().join("b.yaml"),
+        "domain: m\ndescriptors:\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 4, name: later}\n",
+    );
+    let config = load_path(dir.path(), MERGE).unwrap();
+    assert_eq!(
+        only_limit(default(&config.domains["m"].root, "a")).replaces,
+        ["later"]
+    );
+    // A name no file of the domain gives is still an error at its line.
+    write(
+        &dir.path().join("c.yaml"),
+        "domain: m\ndescriptors:\n  - key: c\n    rate_limit:\n      unit: minute\n      requests_per_unit: 1\n      replaces: [{name: nowhere}]\n",
+    );
+    let errors = match load_path(dir.path(), MERGE) {
+        Ok(config) => panic!("loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    };
+    assert_eq!(errors.len(), 1, "{}", ConfigErrors(errors.clone()));
+    assert_eq!(
+        (errors[0].file.as_str(), errors[0].line),
+        (dir.path().join("c.yaml").to_str().unwrap(), 7)
+    );
+    assert!(
+        errors[0]
+            .reason
+            .contains("replaces unknown limit name 'nowhere'"),
+        "{}",
+        errors[0]
+    );
+}
