@@ -86,18 +86,46 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Validate a config, print the limits it defines, exit 1 on errors.
     Check {
-        /// A YAML file, or a directory of `*.yaml` files (one domain each).
+        /// A YAML file, or a directory: every file below it is read (one domain each).
         #[arg(long, env = "RLSD_CONFIG")]
         config: PathBuf,
+        /// How the directory is read.
+        #[command(flatten)]
+        read: ConfigReadArgs,
     },
     /// Replay traffic against a descriptor's limit under each algorithm; print a table, draw an SVG.
     Simulate(crate::simulate::Args),
 }
 
+/// How a config directory is read: `serve`, `check` and `simulate` alike.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct ConfigReadArgs {
+    /// Also read the files and directories below `--config` whose names start with `.`
+    /// (envoyproxy/ratelimit's `RUNTIME_IGNOREDOTFILES=false`). A file reached twice, as in a
+    /// Kubernetes ConfigMap mount, is read once all the same.
+    #[arg(long, env = "RLSD_CONFIG_DOTFILES")]
+    pub config_dotfiles: bool,
+    /// Let several files give one domain: each adds its top-level descriptors to it, and two
+    /// files giving the same descriptor are an error (envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG=true`). Without it, a second file of a domain is an error.
+    #[arg(long, env = "RLSD_MERGE_DOMAIN_CONFIG")]
+    pub merge_domain_config: bool,
+}
+
+impl ConfigReadArgs {
+    /// The loader's options.
+    pub fn options(&self) -> crate::config::LoadOptions {
+        crate::config::LoadOptions {
+            dotfiles: self.config_dotfiles,
+            merge_domains: self.merge_domain_config,
+        }
+    }
+}
+
 /// `rlsd serve`'s flags.
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// A YAML file, or a directory of `*.yaml` files (one domain each).
+    /// A YAML file, or a directory: every file below it is read (one domain each).
     #[arg(
         long,
         env = "RLSD_CONFIG",
@@ -105,6 +133,9 @@ pub struct ServeArgs {
         conflicts_with = "config_xds"
     )]
     pub config: Option<PathBuf>,
+    /// How the config directory is read, and how files (or xDS resources) of one domain combine.
+    #[command(flatten)]
+    pub read: ConfigReadArgs,
     /// Take the config from this xDS management server instead (`host:port`, `http://` or
     /// `https://`), as Envoy Gateway pushes it: ADS state of the world, `RateLimitConfig`.
     #[arg(long, env = "RLSD_CONFIG_XDS", value_name = "ADDR")]
@@ -611,6 +642,7 @@ impl ServeArgs {
                 san: self.xds_tls_san.clone(),
             }),
             max_response_bytes: self.xds_max_message_bytes,
+            merge_domains: self.read.merge_domain_config,
         })
     }
 

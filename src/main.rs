@@ -35,7 +35,7 @@ fn main() -> ExitCode {
         tracing::warn!("{note}");
     }
     let result = match cli.command {
-        Command::Check { config } => return check(&config),
+        Command::Check { config, read } => return check(&config, read.options()),
         Command::Serve(args) => serve(*args),
         Command::Simulate(args) => rlsd::simulate::run(&args).map_err(Into::into),
     };
@@ -48,10 +48,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
-    match config::load_path(path) {
+fn check(path: &std::path::Path, options: config::LoadOptions) -> ExitCode {
+    match config::load_path(path, options) {
         Ok(config) => {
-            config::warn_about_unread(path);
+            config::warn_about_unread(path, options);
             // What a reload would refuse fails the check too.
             if let Some(error) = config::empty_config_error(path, &config) {
                 eprintln!("{error}");
@@ -82,9 +82,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store_settings = args.store_settings()?;
     let loaded = match &args.config {
         Some(path) => {
-            let loaded = config::load_path(path)
+            let loaded = config::load_path(path, args.read.options())
                 .map_err(|errors| anyhow::anyhow!("invalid config, not starting:\n{errors}"))?;
-            config::warn_about_unread(path);
+            config::warn_about_unread(path, args.read.options());
             // Nothing earlier to keep: serve without limits, as envoyproxy/ratelimit does, and
             // say so as the error it most likely is.
             match config::empty_config_error(path, &loaded) {
@@ -133,7 +133,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             } else {
                 metrics.config_load_success.inc();
             }
-            let reloader = Reloader::new(path.clone(), Arc::clone(&config), Arc::clone(&metrics));
+            let reloader = Reloader::new(
+                path.clone(),
+                args.read.options(),
+                Arc::clone(&config),
+                Arc::clone(&metrics),
+            );
             tokio::spawn(Arc::new(reloader).watch(Duration::from_millis(args.reload_interval_ms)));
         }
         let store_name = store.name();

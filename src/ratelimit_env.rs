@@ -203,14 +203,10 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
     // rlsd reloads when a config file's content changes, which watching the root or the
     // directory alone both see.
     boolean("RUNTIME_WATCH_ROOT", get("RUNTIME_WATCH_ROOT"))?;
-    // rlsd always skips dotfiles (Kubernetes keeps a ConfigMap's real files under `..data`).
-    if get("RUNTIME_IGNOREDOTFILES").is_some()
-        && !boolean("RUNTIME_IGNOREDOTFILES", get("RUNTIME_IGNOREDOTFILES"))?
-    {
-        flags.notes.push(
-            "RUNTIME_IGNOREDOTFILES=false: rlsd skips files whose names start with '.' all the same"
-                .into(),
-        );
+    // goruntime reads dot names unless told not to (its default, and rlsd's
+    // `--config-dotfiles`); rlsd reads a ConfigMap's files once either way.
+    if !boolean("RUNTIME_IGNOREDOTFILES", get("RUNTIME_IGNOREDOTFILES"))? {
+        flags.args.push("--config-dotfiles".into());
     }
 
     let host_port = |host_variable: &'static str, port: &'static str, default_port: &str| {
@@ -264,11 +260,9 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
         }
     }
 
-    refuse_if_true(
-        "MERGE_DOMAIN_CONFIG",
-        get("MERGE_DOMAIN_CONFIG"),
-        "rlsd wants one file per domain; merge the files",
-    )?;
+    if boolean("MERGE_DOMAIN_CONFIG", get("MERGE_DOMAIN_CONFIG"))? {
+        flags.args.push("--merge-domain-config".into());
+    }
     refuse_unless(
         "BACKEND_TYPE",
         get("BACKEND_TYPE"),
@@ -805,18 +799,6 @@ fn refuse_unless(
         }
         _ => Ok(()),
     }
-}
-
-/// Refuses `variable` set to true.
-fn refuse_if_true(
-    variable: &'static str,
-    value: Option<String>,
-    reason: &'static str,
-) -> Result<(), EnvError> {
-    if boolean(variable, value)? {
-        return Err(unsupported(variable, "true", reason));
-    }
-    Ok(())
 }
 
 fn unsupported(variable: &'static str, value: impl Into<String>, reason: &'static str) -> EnvError {

@@ -14,12 +14,13 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use crate::config::{self, Config, ConfigErrors};
+use crate::config::{self, Config, ConfigErrors, LoadOptions};
 use crate::metrics::Metrics;
 
 /// Keeps a live config in step with its files.
 pub struct Reloader {
     path: PathBuf,
+    options: LoadOptions,
     config: Arc<ArcSwap<Config>>,
     metrics: Arc<Metrics>,
     /// Fingerprint of the files last loaded (or last rejected), so one change is tried once.
@@ -41,11 +42,18 @@ pub enum Reload {
 }
 
 impl Reloader {
-    /// A reloader for the config at `path`, which is already loaded into `config`.
-    pub fn new(path: PathBuf, config: Arc<ArcSwap<Config>>, metrics: Arc<Metrics>) -> Reloader {
-        let seen = fingerprint(&path);
+    /// A reloader for the config at `path`, read with `options`, which is already loaded into
+    /// `config`.
+    pub fn new(
+        path: PathBuf,
+        options: LoadOptions,
+        config: Arc<ArcSwap<Config>>,
+        metrics: Arc<Metrics>,
+    ) -> Reloader {
+        let seen = fingerprint(&path, options);
         Reloader {
             path,
+            options,
             config,
             metrics,
             seen: Mutex::new(seen),
@@ -54,7 +62,7 @@ impl Reloader {
 
     /// Reloads if the files changed since the last attempt.
     pub fn reload_if_changed(&self) -> Reload {
-        let now = fingerprint(&self.path);
+        let now = fingerprint(&self.path, self.options);
         {
             let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
             // An unreadable moment (a directory mid-swap) is not a change: wait for it to settle.
@@ -70,7 +78,7 @@ impl Reloader {
     /// it has a domain (a directory emptied by accident would lift every limit; see
     /// [`config::empty_config_error`]). Requests in flight keep the snapshot they started with.
     pub fn reload(&self) -> Reload {
-        let loaded = config::load_path(&self.path).and_then(|loaded| {
+        let loaded = config::load_path(&self.path, self.options).and_then(|loaded| {
             match config::empty_config_error(&self.path, &loaded) {
                 Some(error) => Err(ConfigErrors(vec![error])),
                 None => Ok(loaded),
@@ -79,7 +87,7 @@ impl Reloader {
         match loaded {
             Ok(loaded) => {
                 let domains = loaded.domains.len();
-                config::warn_about_unread(&self.path);
+                config::warn_about_unread(&self.path, self.options);
                 self.config.store(Arc::new(loaded));
                 tracing::info!(path = %self.path.display(), domains, "config reloaded");
                 self.metrics.config_load_success.inc();
@@ -138,7 +146,7 @@ impl Reloader {
                 () = hung_up => {
                     tracing::info!("SIGHUP received, reloading config");
                     let _ = tokio::task::spawn_blocking(move || {
-                        *this.seen.lock().unwrap_or_else(PoisonError::into_inner) = fingerprint(&this.path);
+                        *this.seen.lock().unwrap_or_else(PoisonError::into_inner) = fingerprint(&this.path, this.options);
                         this.reload()
                     })
                     .await;
@@ -149,8 +157,8 @@ impl Reloader {
 }
 
 /// A hash of the names and contents of the config files; `None` if they cannot all be read.
-fn fingerprint(path: &std::path::Path) -> Option<u64> {
-    let files = config::config_files(path).ok()?;
+fn fingerprint(path: &std::path::Path, options: LoadOptions) -> Option<u64> {
+    let files = config::config_files(path, options).ok()?;
     let mut hasher = DefaultHasher::new();
     for file in files {
         file.hash(&mut hasher);

@@ -64,6 +64,8 @@ pub struct XdsSettings {
     pub tls: Option<XdsTls>,
     /// Largest response accepted, in bytes; a larger one fails the stream.
     pub max_response_bytes: usize,
+    /// Resources naming the same domain are merged into it (`--merge-domain-config`).
+    pub merge_domains: bool,
 }
 
 /// TLS to the management server.
@@ -323,7 +325,13 @@ impl XdsClient {
 
     /// Validates a response's resources and swaps them in, or says why not.
     fn apply(&self, response: &DiscoveryResponse) -> Result<(), String> {
-        let config = load_response(response)?;
+        let config = load_response(
+            response,
+            config::LoadOptions {
+                merge_domains: self.settings.merge_domains,
+                ..config::LoadOptions::default()
+            },
+        )?;
         let domains = config.domains.len();
         tracing::info!(version = %response.version_info, domains, "config applied from xDS");
         for domain in config.domains.values() {
@@ -344,7 +352,10 @@ impl XdsClient {
 ///
 /// # Errors
 /// A wrong type URL, an undecodable resource, or the loader's errors, named by resource.
-pub fn load_response(response: &DiscoveryResponse) -> Result<Config, String> {
+pub fn load_response(
+    response: &DiscoveryResponse,
+    options: config::LoadOptions,
+) -> Result<Config, String> {
     if response.type_url != TYPE_URL {
         return Err(format!(
             "type URL '{}' is not the one rlsd subscribes to ({TYPE_URL})",
@@ -368,7 +379,7 @@ pub fn load_response(response: &DiscoveryResponse) -> Result<Config, String> {
         };
         sources.push((format!("xds:{name}"), Ok(render_yaml(&decoded))));
     }
-    let mut config = config::load_sources(sources).map_err(|errors| errors.to_string())?;
+    let mut config = config::load_sources(sources, options).map_err(|errors| errors.to_string())?;
     for domain in config.domains.values_mut() {
         domain.source = format!("{} version {}", domain.source, response.version_info);
     }

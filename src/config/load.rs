@@ -49,35 +49,54 @@ fn one_per_line(errors: &[ConfigError]) -> String {
     out
 }
 
-/// Loads a config file, or every `*.yaml` / `*.yml` file at the top level of a directory.
+/// How a config directory is read, and how its files combine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Read files and directories whose names start with `.` too (envoyproxy/ratelimit's
+    /// `RUNTIME_IGNOREDOTFILES=false`); by default they are skipped.
+    pub dotfiles: bool,
+    /// Files naming the same domain add their descriptors to it (envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG=true`) instead of the second being refused.
+    pub merge_domains: bool,
+}
+
+/// Loads a config file, or every file below a directory (see [`config_files`]).
 ///
-/// In a directory, names starting with `.` are skipped (Kubernetes `ConfigMap` mounts keep their
-/// real files under `..data`), symlinks are followed, and files are read in name order. Every
-/// file is checked even when an earlier one has errors.
+/// Every file is checked even when an earlier one has errors.
 ///
 /// # Errors
 /// Every problem of every file, each with its file, line and column, in file order.
-pub fn load_path(path: &Path) -> Result<Config, ConfigErrors> {
-    let files = config_files(path).map_err(|error| ConfigErrors(vec![error]))?;
-    load_sources(files.into_iter().map(|file| {
-        let name = file.display().to_string();
-        // Invalid UTF-8 is an `InvalidData` read error, reported like any other.
-        let text = fs::read_to_string(&file).map_err(|error| unreadable(&file, &error));
-        (name, text)
-    }))
+pub fn load_path(path: &Path, options: LoadOptions) -> Result<Config, ConfigErrors> {
+    let files = config_files(path, options).map_err(|error| ConfigErrors(vec![error]))?;
+    load_sources(
+        files.into_iter().map(|file| {
+            let name = file.display().to_string();
+            // Invalid UTF-8 is an `InvalidData` read error, reported like any other.
+            let text = fs::read_to_string(&file).map_err(|error| unreadable(&file, &error));
+            (name, text)
+        }),
+        options,
+    )
 }
 
-/// Loads named texts (files, or resources pushed over xDS) into one config, one domain each,
-/// exactly as [`load_path`] checks files: every source is checked even after an error.
+/// Loads named texts (files, or resources pushed over xDS) into one config, one domain each
+/// (or, with [`LoadOptions::merge_domains`], one domain from several), exactly as
+/// [`load_path`] checks files: every source is checked even after an error.
 ///
 /// # Errors
 /// Every problem of every source, each named by its source, in source order.
 pub fn load_sources(
     sources: impl IntoIterator<Item = (String, Result<String, ConfigError>)>,
+    options: LoadOptions,
 ) -> Result<Config, ConfigErrors> {
     let mut errors = Vec::new();
     let mut config = Config::default();
     let mut first_file: HashMap<String, String> = HashMap::new();
+    // With merging: which file gave each top-level descriptor (and `plans:`) of each domain.
+    let mut origins: HashMap<String, Origins> = HashMap::new();
+    // With merging: `replaces` to check once every file of their domain is in (domain, file,
+    // name, position).
+    let mut pending_replaces = Vec::new();
     for (name, text) in sources {
         let text = match text {
             Ok(text) => text,
@@ -86,32 +105,68 @@ pub fn load_sources(
                 continue;
             }
         };
-        let loaded = load_file(&name, &text);
+        let merge = options.merge_domains.then_some(Merge {
+            domains: &mut config.domains,
+            origins: &origins,
+        });
+        let loaded = load_file(&name, &text, merge);
+        if let Some((domain, _)) = &loaded.domain {
+            for (target, pos) in &loaded.unknown_replaces {
+                pending_replaces.push((domain.clone(), name.clone(), target.clone(), *pos));
+            }
+        }
         let mut file_errors = Vec::new();
         let mut duplicate = false;
         if let Some((domain, pos)) = &loaded.domain {
             if let Some(first) = first_file.get(domain) {
-                duplicate = true;
-                file_errors.push(error_at(
-                    &name,
-                    *pos,
-                    format!(
-                        "duplicate domain '{domain}' in config file (already defined in {first})"
-                    ),
-                ));
+                if !options.merge_domains {
+                    duplicate = true;
+                    file_errors.push(error_at(
+                        &name,
+                        *pos,
+                        format!(
+                            "duplicate domain '{domain}' in config file (already defined in {first})"
+                        ),
+                    ));
+                }
             } else {
                 first_file.insert(domain.clone(), name.clone());
             }
         }
         match loaded.result {
             Ok(domain) if !duplicate => {
+                if options.merge_domains {
+                    origins
+                        .entry(domain.name.clone())
+                        .or_default()
+                        .record(&domain, &name);
+                }
                 config.domains.insert(domain.name.clone(), domain);
             }
             Ok(_) => {}
-            Err(more) => file_errors.extend(more),
+            Err(more) => {
+                file_errors.extend(more);
+                if let Some(partial) = loaded.partial {
+                    config.domains.insert(partial.name.clone(), partial);
+                }
+            }
         }
         file_errors.sort_by_key(|error| (error.line, error.column));
         errors.append(&mut file_errors);
+    }
+    let mut names: HashMap<&str, HashSet<String>> = HashMap::new();
+    for (domain, file, target, pos) in &pending_replaces {
+        let Some(loaded) = config.domains.get(domain) else {
+            continue;
+        };
+        let known = names.entry(domain.as_str()).or_insert_with(|| {
+            let mut known = HashSet::new();
+            limit_names(&loaded.root, &mut known);
+            known
+        });
+        if !known.contains(target) {
+            errors.push(error_at(file, *pos, unknown_replaces(target, domain)));
+        }
     }
     if errors.is_empty() {
         Ok(config)
@@ -120,21 +175,64 @@ pub fn load_sources(
     }
 }
 
+/// Which file gave each part of a domain merged from several.
+#[derive(Default)]
+struct Origins {
+    /// Top-level descriptor path -> file.
+    descriptors: HashMap<String, String>,
+    /// The file with the domain's `plans:`.
+    plans: Option<String>,
+}
+
+impl Origins {
+    /// Records the parts of `domain` not yet known as coming from `file`.
+    fn record(&mut self, domain: &Domain, file: &str) {
+        for nodes in domain.root.keys.values() {
+            for node in nodes.all() {
+                self.descriptors
+                    .entry(node.path.clone())
+                    .or_insert_with(|| file.to_owned());
+            }
+        }
+        if domain.plans.is_some() && self.plans.is_none() {
+            self.plans = Some(file.to_owned());
+        }
+    }
+}
+
+/// What a file merges into: the domains loaded so far, and where their parts came from.
+struct Merge<'a> {
+    domains: &'a mut crate::config::model::Map<Domain>,
+    origins: &'a HashMap<String, Origins>,
+}
+
 /// Loads one file's text; `file_name` is only used in errors and as [`Domain::source`].
 ///
 /// # Errors
 /// Every problem of the file, sorted by line and column.
 pub fn load_str(file_name: &str, yaml: &str) -> Result<Domain, Vec<ConfigError>> {
-    load_file(file_name, yaml).result
+    load_file(file_name, yaml, None).result
 }
 
-/// The files [`load_path`] reads for `path`: the file itself, or a directory's config files.
+/// The files [`load_path`] reads for `path`: the file itself, or every file below the
+/// directory, as envoyproxy/ratelimit's runtime loader (goruntime) finds them: whatever their
+/// names, in subdirectories too, in name order depth first; names starting with `.` skipped
+/// unless [`LoadOptions::dotfiles`], and names starting with `..` always (in a Kubernetes
+/// `ConfigMap` mount, `name` is a symlink to `..data/name`, `..data` one to the timestamped
+/// `..2026_...` directory: goruntime reading dot names reads each file twice there, and
+/// envoyproxy/ratelimit refuses the duplicate domain); symlinks to files followed, symlinks to
+/// directories not (goruntime cannot read them either). A file two paths reach is read once,
+/// under the first path without a dot-named component.
 ///
 /// # Errors
-/// When the path or the directory cannot be read.
-pub fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+/// When the path or a directory below it cannot be read.
+pub fn config_files(path: &Path, options: LoadOptions) -> Result<Vec<PathBuf>, ConfigError> {
     match fs::metadata(path) {
-        Ok(meta) if meta.is_dir() => list_dir(path),
+        Ok(meta) if meta.is_dir() => {
+            let mut found = Vec::new();
+            walk(path, options, &mut found, &mut Vec::new())?;
+            Ok(read_once(path, found))
+        }
         Ok(_) => Ok(vec![path.to_path_buf()]),
         Err(error) => Err(unreadable(path, &error)),
     }
@@ -150,85 +248,125 @@ pub fn empty_config_error(path: &Path, config: &Config) -> Option<ConfigError> {
         file: path.display().to_string(),
         line: 0,
         column: 0,
-        reason: "no config file (*.yaml or *.yml with a 'domain:'): every request would be \
-                 answered OK; to run without limits on purpose, load a file of only \
-                 'domain: <name>'"
+        reason: "no config file (a file with a 'domain:'): every request would be answered OK; \
+                 to run without limits on purpose, load a file of only 'domain: <name>'"
             .to_owned(),
     })
 }
 
-/// Warns about entries of the directory `path` that are not read (visible files without a
-/// `.yaml` or `.yml` name, and subdirectories), which make a loaded config limit less than its
-/// author may think.
-pub fn warn_about_unread(path: &Path) {
-    let unread = unread_files(path);
+/// Warns about entries below the directory `path` that are not read (symlinks to directories
+/// outside it, and what is neither file nor directory), which make a loaded config limit less
+/// than its author may think.
+pub fn warn_about_unread(path: &Path, options: LoadOptions) {
+    let unread = unread_files(path, options);
     if !unread.is_empty() {
-        // Entry names alone: the directory is the `path` field.
         let names: Vec<String> = unread
             .iter()
-            .map(|entry| {
-                let name = entry
-                    .file_name()
-                    .unwrap_or(entry.as_os_str())
-                    .to_string_lossy();
-                if entry.is_dir() {
-                    format!("{name}/")
-                } else {
-                    name.into_owned()
-                }
-            })
+            .map(|entry| entry.display().to_string())
             .collect();
         tracing::warn!(
             path = %path.display(),
-            "not read, as only *.yaml and *.yml files at the top level are config files: {}",
+            "not read, as symlinks to directories are not followed and only files are config: {}",
             names.join(", ")
         );
     }
 }
 
-/// The visible entries of the directory `path` that [`load_path`] does not read (files without
-/// a config name, and subdirectories); none when `path` is a file or cannot be listed.
-pub fn unread_files(path: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = fs::read_dir(path) else {
-        return Vec::new();
-    };
-    let mut unread: Vec<PathBuf> = entries
-        .filter_map(Result::ok)
-        .filter(|entry| !entry.file_name().to_string_lossy().starts_with('.'))
-        .map(|entry| entry.path())
-        .filter(|path| match fs::metadata(path) {
-            Ok(meta) if meta.is_dir() => true,
-            Ok(meta) => meta.is_file() && !is_config_name(&path.to_string_lossy()),
-            Err(_) => false,
-        })
-        .collect();
-    unread.sort();
+/// The entries below the directory `path` that [`load_path`] does not read although their
+/// names are not skipped: symlinks to directories whose files are not read some other way
+/// (a `ConfigMap`'s `..data` is read through its target), and entries that are neither files
+/// nor directories. None when `path` is a file or cannot be listed.
+pub fn unread_files(path: &Path, options: LoadOptions) -> Vec<PathBuf> {
+    let mut unread = Vec::new();
+    if fs::metadata(path).is_ok_and(|meta| meta.is_dir()) {
+        let _ = walk(path, options, &mut Vec::new(), &mut unread);
+    }
+    let root = fs::canonicalize(path).ok();
+    unread.retain(|entry| {
+        let inside = fs::canonicalize(entry)
+            .ok()
+            .zip(root.as_ref())
+            .is_some_and(|(target, root)| target.starts_with(root));
+        !(inside && entry.is_dir())
+    });
     unread
 }
 
-fn is_config_name(name: &str) -> bool {
-    name.ends_with(".yaml") || name.ends_with(".yml")
-}
-
-/// The config files of a directory, sorted by name.
-fn list_dir(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+/// Collects the files below `dir` in name order, depth first, into `files`, and the entries
+/// left unread into `unread`.
+fn walk(
+    dir: &Path,
+    options: LoadOptions,
+    files: &mut Vec<PathBuf>,
+    unread: &mut Vec<PathBuf>,
+) -> Result<(), ConfigError> {
     let entries = fs::read_dir(dir).map_err(|error| unreadable(dir, &error))?;
-    let mut files = Vec::new();
+    let mut entries = entries
+        .map(|entry| entry.map_err(|error| unreadable(dir, &error)))
+        .collect::<Result<Vec<_>, _>>()?;
+    entries.sort_by_key(fs::DirEntry::file_name);
     for entry in entries {
-        let entry = entry.map_err(|error| unreadable(dir, &error))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with('.') || !is_config_name(&name) {
+        // `..` names are the kubelet's own in a ConfigMap mount (`..data`, `..2026_...`,
+        // reserved by its atomic writer): their files are read through the visible symlinks,
+        // and an old version left for a moment mid-swap is never read.
+        if name.starts_with("..") || (!options.dotfiles && name.starts_with('.')) {
             continue;
         }
         let path = entry.path();
-        // A broken symlink with a config name is kept, so reading it reports the problem.
-        if fs::metadata(&path).map_or(true, |meta| meta.is_file()) {
+        let kind = entry
+            .file_type()
+            .map_err(|error| unreadable(&path, &error))?;
+        if kind.is_dir() {
+            walk(&path, options, files, unread)?;
+        } else if kind.is_symlink() {
+            match fs::metadata(&path) {
+                Ok(target) if target.is_dir() => unread.push(path),
+                Ok(target) if !target.is_file() => unread.push(path),
+                // A broken symlink is kept, so reading it reports the problem.
+                _ => files.push(path),
+            }
+        } else if kind.is_file() {
             files.push(path);
+        } else {
+            unread.push(path);
         }
     }
-    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
-    Ok(files)
+    Ok(())
+}
+
+/// `files` with each file that two paths reach (same canonical path) kept once, under the
+/// first path without a dot-named component below `root`, else the first; order kept.
+fn read_once(root: &Path, files: Vec<PathBuf>) -> Vec<PathBuf> {
+    let hidden = |file: &Path| {
+        file.strip_prefix(root).is_ok_and(|relative| {
+            relative
+                .components()
+                .any(|part| part.as_os_str().to_string_lossy().starts_with('.'))
+        })
+    };
+    let real: Vec<PathBuf> = files
+        .iter()
+        .map(|file| fs::canonicalize(file).unwrap_or_else(|_| file.clone()))
+        .collect();
+    let mut chosen: HashMap<&Path, usize> = HashMap::new();
+    for (index, target) in real.iter().enumerate() {
+        chosen
+            .entry(target.as_path())
+            .and_modify(|kept| {
+                if hidden(&files[*kept]) && !hidden(&files[index]) {
+                    *kept = index;
+                }
+            })
+            .or_insert(index);
+    }
+    let keep: HashSet<usize> = chosen.into_values().collect();
+    files
+        .into_iter()
+        .enumerate()
+        .filter_map(|(index, file)| keep.contains(&index).then_some(file))
+        .collect()
 }
 
 /// The error for a path that cannot be read.
@@ -258,6 +396,11 @@ struct Loaded {
     domain: Option<(String, Pos)>,
     /// The domain, or every error of the file sorted by position.
     result: Result<Domain, Vec<ConfigError>>,
+    /// When merging and the file has errors: the domain with what of it is valid, so later
+    /// files of the domain are still checked against it.
+    partial: Option<Domain>,
+    /// When merging: `replaces` names no limit of the domain has so far, and where each is.
+    unknown_replaces: Vec<(String, Pos)>,
 }
 
 /// Stack for parsing and walking a file: both recurse once per nesting level (serde-saphyr stops
@@ -266,20 +409,31 @@ const LOAD_STACK_BYTES: usize = 64 * 1024 * 1024;
 
 /// Parses and validates one file, on a thread with a stack deep enough for any nesting the
 /// parser accepts, so a deeply nested file is an error and never a crash.
-fn load_file(file: &str, text: &str) -> Loaded {
+fn load_file(file: &str, text: &str, mut merge: Option<Merge<'_>>) -> Loaded {
     std::thread::scope(|scope| {
+        let merge = merge.as_mut().map(Merge::reborrow);
         std::thread::Builder::new()
             .name("rlsd-config".to_owned())
             .stack_size(LOAD_STACK_BYTES)
-            .spawn_scoped(scope, || load_file_here(file, text))
+            .spawn_scoped(scope, || load_file_here(file, text, merge))
             .ok()
             .and_then(|loading| loading.join().ok())
     })
     // Without a thread (none could be spawned, or it panicked), load here.
-    .unwrap_or_else(|| load_file_here(file, text))
+    .unwrap_or_else(|| load_file_here(file, text, merge))
 }
 
-fn load_file_here(file: &str, text: &str) -> Loaded {
+impl Merge<'_> {
+    /// The same merge, for a shorter while.
+    fn reborrow(&mut self) -> Merge<'_> {
+        Merge {
+            domains: self.domains,
+            origins: self.origins,
+        }
+    }
+}
+
+fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
     let root = match yaml::parse(text) {
         Ok(root) => root,
         Err(error) => {
@@ -291,6 +445,8 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
                     pos,
                     format!("invalid YAML: {message}"),
                 )]),
+                partial: None,
+                unknown_replaces: Vec::new(),
             };
         }
     };
@@ -304,25 +460,65 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
         layers: None,
         shares_thresholds: false,
         values_in_metrics: false,
+        merge,
+        base: None,
     };
     let (domain, root, plans) = walker.file(&root);
-    walker.check_replaces();
+    let unknown_replaces = walker.check_replaces();
     let mut errors = std::mem::take(&mut walker.errors);
-    let result = match (&domain, errors.is_empty()) {
-        (Some((name, _)), true) => Ok(Domain {
-            name: name.clone(),
-            source: file.to_owned(),
-            root,
-            plans,
-            shares_thresholds: walker.shares_thresholds,
-            values_in_metrics: walker.values_in_metrics,
-        }),
-        _ => {
+    let (source, plans) = match walker.base.take() {
+        Some(base) => (format!("{}, {file}", base.source), plans.or(base.plans)),
+        None => (file.to_owned(), plans),
+    };
+    let merging = walker.merge.is_some();
+    let built = domain.as_ref().map(|(name, _)| Domain {
+        name: name.clone(),
+        source,
+        root,
+        plans,
+        shares_thresholds: walker.shares_thresholds,
+        values_in_metrics: walker.values_in_metrics,
+    });
+    let (result, partial) = match built {
+        Some(built) if errors.is_empty() => (Ok(built), None),
+        built => {
             errors.sort_by_key(|error| (error.line, error.column));
-            Err(errors)
+            (Err(errors), built.filter(|_| merging))
         }
     };
-    Loaded { domain, result }
+    Loaded {
+        domain,
+        result,
+        partial,
+        unknown_replaces,
+    }
+}
+
+/// The error for a `replaces` of a name no limit of `domain` has.
+fn unknown_replaces(name: &str, domain: &str) -> String {
+    format!("replaces unknown limit name '{name}' (no limit in domain '{domain}' has that name)")
+}
+
+/// Collects the name of every limit in `level` and below.
+fn limit_names(level: &Level, names: &mut HashSet<String>) {
+    for node in level
+        .keys
+        .values()
+        .flat_map(crate::config::model::KeyNodes::all)
+    {
+        match &node.policy {
+            Some(Policy::Limits(limits)) => {
+                names.extend(limits.iter().filter_map(|limit| limit.name.clone()));
+            }
+            Some(Policy::Unlimited {
+                name: Some(name), ..
+            }) => {
+                names.insert(name.clone());
+            }
+            _ => {}
+        }
+        limit_names(&node.children, names);
+    }
 }
 
 /// Keys allowed at the top of a file.
@@ -465,6 +661,21 @@ struct Walker<'a> {
     values_in_metrics: bool,
     /// `layers:` as declared; when given, every `layer:` must be one of them.
     layers: Option<Vec<String>>,
+    /// With merging: the domains of earlier files, one of which this file may add to.
+    merge: Option<Merge<'a>>,
+    /// What this file adds to: the earlier files' domain of the same name, taken out of
+    /// `merge` (its descriptors become this file's starting level).
+    base: Option<Base<'a>>,
+}
+
+/// The part of an earlier domain a merged file does not walk into.
+struct Base<'a> {
+    /// Its files, for [`Domain::source`].
+    source: String,
+    /// Its `plans:`.
+    plans: Option<PlanTable>,
+    /// Where its top-level descriptors and plans were written.
+    origins: Option<&'a Origins>,
 }
 
 impl Walker<'_> {
@@ -598,6 +809,7 @@ impl Walker<'_> {
                 }
                 Some(name) => {
                     self.domain.clone_from(&name);
+                    self.merge_into(&name, &mut level);
                     domain = Some((name, key.pos));
                 }
                 None => {}
@@ -607,10 +819,43 @@ impl Walker<'_> {
             let parent = self.domain.clone();
             self.descriptors(descriptors, &parent, None, &mut level);
         }
-        let plans = fields
-            .get("plans")
-            .and_then(|(_, plans)| self.plans(plans, &level));
+        let plans = fields.get("plans").and_then(|(key, plans)| {
+            if let Some(base) = &self.base
+                && base.plans.is_some()
+            {
+                let first = base
+                    .origins
+                    .and_then(|origins| origins.plans.as_deref())
+                    .unwrap_or(base.source.as_str());
+                let reason = format!(
+                    "plans of domain '{}' are already given in {first}; give them in one file",
+                    self.domain
+                );
+                self.error(key.pos, reason);
+                return None;
+            }
+            self.plans(plans, &level)
+        });
         (domain, level, plans)
+    }
+
+    /// With merging, starts this file from the domain `name` of earlier files, if there is one.
+    fn merge_into(&mut self, name: &str, level: &mut Level) {
+        let Some(merge) = self.merge.as_mut() else {
+            return;
+        };
+        let Some(earlier) = merge.domains.remove(name) else {
+            return;
+        };
+        *level = earlier.root;
+        limit_names(level, &mut self.limit_names);
+        self.shares_thresholds |= earlier.shares_thresholds;
+        self.values_in_metrics |= earlier.values_in_metrics;
+        self.base = Some(Base {
+            source: earlier.source,
+            plans: earlier.plans,
+            origins: merge.origins.get(name),
+        });
     }
 
     /// `layers: [edge, plan, endpoint]`: distinct non-empty names.
@@ -842,10 +1087,18 @@ impl Walker<'_> {
                 }
             },
         };
-        self.error(
-            duplicate_at,
-            format!("duplicate descriptor composite key '{}'", node.path),
-        );
+        let earlier = self
+            .base
+            .as_ref()
+            .and_then(|base| base.origins?.descriptors.get(&node.path));
+        let reason = match earlier {
+            Some(file) => format!(
+                "duplicate descriptor composite key '{}' (already defined in {file})",
+                node.path
+            ),
+            None => format!("duplicate descriptor composite key '{}'", node.path),
+        };
+        self.error(duplicate_at, reason);
     }
 
     /// A `layer:` name; one of `layers:` when those are declared.
@@ -868,21 +1121,36 @@ impl Walker<'_> {
         Some(name)
     }
 
-    /// A descriptor's `rate_limit` / `rate_limits`; `None` if it has none or they are broken.
     /// A `metadata:` mapping as a protobuf Struct; `None` after reporting anything else.
+    /// envoyproxy/ratelimit reads it as Go's `map[string]interface{}`: its own keys are their
+    /// spelling (`y`, `on`, `010`), the keys of mappings inside it Go's `%v` of their value
+    /// (`true`, `8`), and values keep their YAML 1.1 type (`off` is false, `010` is 8).
     fn metadata(&mut self, node: &YNode) -> Option<prost_types::Struct> {
-        if !matches!(node.value, Value::Map(_)) {
+        let Value::Map(entries) = &node.value else {
             let found = self.describe(node);
             self.error(
                 node.pos,
                 format!("metadata must be a mapping, found {found}"),
             );
             return None;
+        };
+        let mut fields = std::collections::BTreeMap::new();
+        for (key, value) in entries {
+            let name = match &key.value {
+                Value::Null => Some(String::new()),
+                _ => key.scalar_text(self.text),
+            };
+            let Some(name) = name else {
+                let found = self.describe(key);
+                self.error(
+                    key.pos,
+                    format!("metadata keys must be scalars, found {found}"),
+                );
+                return None;
+            };
+            fields.insert(name, self.struct_value(value)?);
         }
-        match self.struct_value(node)?.kind {
-            Some(prost_types::value::Kind::StructValue(fields)) => Some(fields),
-            _ => None,
-        }
+        Some(prost_types::Struct { fields })
     }
 
     fn struct_value(&mut self, node: &YNode) -> Option<prost_types::Value> {
@@ -903,15 +1171,15 @@ impl Walker<'_> {
             Value::Map(entries) => {
                 let mut fields = std::collections::BTreeMap::new();
                 for (key, value) in entries {
-                    let Value::Str(name) = &key.value else {
+                    let Some(name) = yaml::go_format(&key.value) else {
                         let found = self.describe(key);
                         self.error(
                             key.pos,
-                            format!("metadata keys must be strings, found {found}"),
+                            format!("metadata keys must be scalars, found {found}"),
                         );
                         return None;
                     };
-                    fields.insert(name.clone(), self.struct_value(value)?);
+                    fields.insert(name, self.struct_value(value)?);
                 }
                 Kind::StructValue(prost_types::Struct { fields })
             }
@@ -919,6 +1187,7 @@ impl Walker<'_> {
         Some(prost_types::Value { kind: Some(kind) })
     }
 
+    /// A descriptor's `rate_limit` / `rate_limits`; `None` if it has none or they are broken.
     fn policy(
         &mut self,
         fields: &Fields<'_>,
@@ -1297,15 +1566,21 @@ impl Walker<'_> {
     }
 
     /// Reports every `replaces` name that no limit of the domain has.
-    fn check_replaces(&mut self) {
+    /// When merging, the names not found yet are returned instead: a later file of the
+    /// domain may give them.
+    fn check_replaces(&mut self) -> Vec<(String, Pos)> {
+        let mut unknown = Vec::new();
         for (name, pos) in std::mem::take(&mut self.replaces_refs) {
-            if !self.limit_names.contains(&name) {
-                let reason = format!(
-                    "replaces unknown limit name '{name}' (no limit in domain '{}' has that name)",
-                    self.domain
-                );
+            if self.limit_names.contains(&name) {
+                continue;
+            }
+            if self.merge.is_some() {
+                unknown.push((name, pos));
+            } else {
+                let reason = unknown_replaces(&name, &self.domain);
                 self.error(pos, reason);
             }
         }
+        unknown
     }
 }

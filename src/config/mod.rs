@@ -7,7 +7,7 @@ mod tests;
 mod yaml;
 
 pub use load::{
-    ConfigError, ConfigErrors, config_files, empty_config_error, load_path, load_sources, load_str,
-    unread_files, warn_about_unread,
+    ConfigError, ConfigErrors, LoadOptions, config_files, empty_config_error, load_path,
+    load_sources, load_str, unread_files, warn_about_unread,
 };
 pub use model::{Config, Domain, KeyNodes, Level, Node, PlanTable, Policy, Wildcard};

@@ -15,12 +15,14 @@ pub struct Config {
     pub domains: Map<Domain>,
 }
 
-/// One `domain:` file: the descriptor tree requests of that domain are matched against.
+/// One domain (one `domain:` file, or several merged): the descriptor tree requests of that
+/// domain are matched against.
 #[derive(Debug)]
 pub struct Domain {
     /// The domain name (non-empty).
     pub name: String,
-    /// The file it came from, for `rlsd check` and diagnostics.
+    /// The file it came from (files, comma-separated, when `--merge-domain-config` merged
+    /// several), for `rlsd check` and diagnostics.
     pub source: String,
     /// Top-level descriptors.
     pub root: Level,

@@ -4,7 +4,8 @@ use std::num::NonZeroU32;
 use std::path::Path;
 
 use super::{
-    ConfigError, ConfigErrors, Domain, Level, Node, Policy, Wildcard, load_path, load_str,
+    ConfigError, ConfigErrors, Domain, Level, LoadOptions, Node, Policy, Wildcard, load_path,
+    load_str,
 };
 use crate::limit::{Algorithm, Limit, Period, Unit};
 
@@ -367,10 +368,11 @@ fn bad_quota_mode_or_metadata_is_an_error_at_its_line() {
         descriptors:
           - key: a
             metadata:
-              1: one
+              ? [1]
+              : one
         ",
         5,
-        "metadata keys must be strings",
+        "metadata keys must be scalars, found a list",
     );
 }
 
@@ -1317,7 +1319,7 @@ fn write(path: &Path, text: &str) {
 }
 
 fn load_dir_errors(path: &Path) -> Vec<ConfigError> {
-    match load_path(path) {
+    match load_path(path, LoadOptions::default()) {
         Ok(config) => panic!("expected errors, loaded {config:?}"),
         Err(ConfigErrors(errors)) => errors,
     }
@@ -1328,51 +1330,196 @@ fn single_file_path() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("config.txt");
     write(&file, "domain: one\n");
-    let config = load_path(&file).unwrap();
+    let config = load_path(&file, LoadOptions::default()).unwrap();
     assert_eq!(config.domains.len(), 1);
     assert_eq!(config.domains["one"].source, file.display().to_string());
 }
 
-#[test]
-fn directory_with_two_domains_ignores_other_files() {
-    let dir = tempfile::tempdir().unwrap();
-    write(
-        &dir.path().join("a.yaml"),
-        "domain: a\ndescriptors: [{key: k}]\n",
-    );
-    write(&dir.path().join("b.yml"), "domain: b\n");
-    write(&dir.path().join("README.md"), "not: [yaml\n");
-    write(&dir.path().join("c.yaml.bak"), "domain: a\n");
-    write(&dir.path().join(".hidden.yaml"), "domain: a\n");
-    std::fs::create_dir(dir.path().join("sub.yaml")).unwrap();
-    write(&dir.path().join("sub.yaml").join("x.yaml"), "domain: a\n");
-    let config = load_path(dir.path()).unwrap();
+fn domain_names(config: &crate::config::Config) -> Vec<String> {
     let mut names: Vec<_> = config.domains.keys().cloned().collect();
     names.sort();
-    assert_eq!(names, ["a", "b"]);
+    names
+}
+
+const SKIP_DOTS: LoadOptions = LoadOptions {
+    dotfiles: false,
+    merge_domains: false,
+};
+const READ_DOTS: LoadOptions = LoadOptions {
+    dotfiles: true,
+    merge_domains: false,
+};
+const MERGE: LoadOptions = LoadOptions {
+    dotfiles: false,
+    merge_domains: true,
+};
+
+#[test]
+fn every_file_below_the_directory_is_read_whatever_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    write(&path("a.yaml"), "domain: a\ndescriptors: [{key: k}]\n");
+    write(&path("limits.conf"), "domain: conf\n");
+    std::fs::create_dir_all(path("sub/deeper")).unwrap();
+    write(&path("sub/x.txt"), "domain: x\n");
+    write(&path("sub/deeper/y"), "domain: y\n");
+    write(&path(".hidden.yaml"), "domain: hidden\n");
+    std::fs::create_dir(path(".git")).unwrap();
+    write(&path(".git/HEAD"), "domain: git\n");
+    let config = load_path(dir.path(), SKIP_DOTS).unwrap();
+    assert_eq!(domain_names(&config), ["a", "conf", "x", "y"]);
     assert_eq!(
-        config.domains["a"].source,
-        dir.path().join("a.yaml").display().to_string()
+        config.domains["y"].source,
+        path("sub/deeper/y").display().to_string()
     );
-    assert_eq!(config.domains["a"].root.keys.len(), 1);
+    let config = load_path(dir.path(), READ_DOTS).unwrap();
+    assert_eq!(
+        domain_names(&config),
+        ["a", "conf", "git", "hidden", "x", "y"]
+    );
+    // Depth first in name order, as goruntime walks.
+    let files: Vec<String> = super::config_files(dir.path(), READ_DOTS)
+        .unwrap()
+        .iter()
+        .map(|file| file.strip_prefix(dir.path()).unwrap().display().to_string())
+        .collect();
+    assert_eq!(
+        files,
+        [
+            ".git/HEAD",
+            ".hidden.yaml",
+            "a.yaml",
+            "limits.conf",
+            "sub/deeper/y",
+            "sub/x.txt"
+        ]
+    );
+}
+
+#[test]
+fn a_file_below_the_directory_that_is_not_a_config_is_an_error_at_its_line() {
+    // envoyproxy/ratelimit refuses both too ("yaml: line 3: mapping values are not allowed",
+    // "cannot unmarshal !!str `just words`").
+    let dir = tempfile::tempdir().unwrap();
+    write(&dir.path().join("a.yaml"), "domain: a\n");
+    std::fs::create_dir(dir.path().join("docs")).unwrap();
+    write(
+        &dir.path().join("docs/README.md"),
+        "This is a readme.\n\nIt: says things\n",
+    );
+    write(&dir.path().join("notes.txt"), "just words\n");
+    let errors = load_dir_errors(dir.path());
+    let summary: Vec<(String, u64)> = errors
+        .iter()
+        .map(|error| {
+            let file = Path::new(&error.file).strip_prefix(dir.path()).unwrap();
+            (file.display().to_string(), error.line)
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("docs/README.md".to_owned(), 3),
+            ("notes.txt".to_owned(), 1)
+        ],
+        "{}",
+        ConfigErrors(errors.clone())
+    );
+    assert!(
+        errors[0].reason.starts_with("invalid YAML"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1]
+            .reason
+            .contains("must be a mapping, found the string 'just words'"),
+        "{}",
+        errors[1]
+    );
+}
+
+/// A Kubernetes ConfigMap volume as the kubelet writes it: the files in a timestamped dot
+/// directory, `..data` a symlink to it, and each key a top-level symlink into `..data`.
+#[cfg(unix)]
+fn configmap(dir: &Path, stamp: &str, files: &[(&str, &str)]) {
+    use std::os::unix::fs::symlink;
+    let real = dir.join(stamp);
+    std::fs::create_dir(&real).unwrap();
+    for (name, text) in files {
+        write(&real.join(name), text);
+        let link = dir.join(name);
+        if std::fs::symlink_metadata(&link).is_err() {
+            symlink(format!("..data/{name}"), link).unwrap();
+        }
+    }
+    // Swapped atomically, as the kubelet does.
+    let staged = dir.join("..data_tmp");
+    symlink(stamp, &staged).unwrap();
+    std::fs::rename(&staged, dir.join("..data")).unwrap();
 }
 
 #[cfg(unix)]
 #[test]
-fn kubernetes_configmap_layout() {
-    use std::os::unix::fs::symlink;
+fn kubernetes_configmap_layout_loads_each_file_once_with_or_without_dotfiles() {
     let dir = tempfile::tempdir().unwrap();
-    let real = dir.path().join("..2026_12_02_x");
-    std::fs::create_dir(&real).unwrap();
-    write(&real.join("a.yaml"), "domain: a\n");
-    write(&real.join("b.yaml"), "domain: b\n");
-    symlink("..2026_12_02_x", dir.path().join("..data")).unwrap();
-    symlink("..data/a.yaml", dir.path().join("a.yaml")).unwrap();
-    symlink("..data/b.yaml", dir.path().join("b.yaml")).unwrap();
-    let config = load_path(dir.path()).unwrap();
-    let mut names: Vec<_> = config.domains.keys().cloned().collect();
-    names.sort();
-    assert_eq!(names, ["a", "b"]);
+    configmap(
+        dir.path(),
+        "..2026_12_07_20_54_23.1",
+        &[("a.yaml", "domain: a\n"), ("limits.conf", "domain: b\n")],
+    );
+    for options in [SKIP_DOTS, READ_DOTS, MERGE] {
+        let files = super::config_files(dir.path(), options).unwrap();
+        assert_eq!(
+            files,
+            [dir.path().join("a.yaml"), dir.path().join("limits.conf")],
+            "{options:?}"
+        );
+        let config = load_path(dir.path(), options).unwrap();
+        assert_eq!(domain_names(&config), ["a", "b"], "{options:?}");
+        assert_eq!(
+            config.domains["b"].source,
+            dir.path().join("limits.conf").display().to_string()
+        );
+        // `..data` is read through its target: nothing to warn about.
+        assert!(super::unread_files(dir.path(), options).is_empty());
+    }
+    // Mid-update: the new version is live and the old one not yet removed. Only the live one
+    // is read, dot names or not.
+    configmap(
+        dir.path(),
+        "..2026_12_07_21_10_00.2",
+        &[("a.yaml", "domain: a2\n"), ("limits.conf", "domain: b2\n")],
+    );
+    for options in [SKIP_DOTS, READ_DOTS] {
+        let config = load_path(dir.path(), options).unwrap();
+        assert_eq!(domain_names(&config), ["a2", "b2"], "{options:?}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn symlinks_to_directories_are_not_followed_and_are_named_as_unread() {
+    let outside = tempfile::tempdir().unwrap();
+    write(&outside.path().join("o.yaml"), "domain: outside\n");
+    let dir = tempfile::tempdir().unwrap();
+    write(&dir.path().join("a.yaml"), "domain: a\n");
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("linked")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("o.yaml"), dir.path().join("o.yaml")).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("a.yaml"), dir.path().join(".alias")).unwrap();
+    assert_eq!(
+        load_path(dir.path(), READ_DOTS).unwrap().domains["a"].source,
+        dir.path().join("a.yaml").display().to_string(),
+        "a file two names reach is read once, under the visible one"
+    );
+    let config = load_path(dir.path(), SKIP_DOTS).unwrap();
+    // goruntime reads the symlinked file, not the symlinked directory.
+    assert_eq!(domain_names(&config), ["a", "outside"]);
+    assert_eq!(
+        super::unread_files(dir.path(), SKIP_DOTS),
+        [dir.path().join("linked")]
+    );
+    assert!(super::unread_files(&dir.path().join("a.yaml"), SKIP_DOTS).is_empty());
 }
 
 #[test]
@@ -1465,35 +1612,25 @@ fn broken_symlink_is_an_error() {
 }
 
 #[test]
-fn unread_files_are_the_visible_files_without_a_yaml_name_and_subdirectories() {
-    let dir = tempfile::tempdir().unwrap();
-    for name in ["a.yaml", "b.yml", "limits.conf", "README", ".hidden"] {
-        std::fs::write(dir.path().join(name), "domain: x\n").unwrap();
-    }
-    std::fs::create_dir(dir.path().join("nested")).unwrap();
-    let names: Vec<String> = super::unread_files(dir.path())
-        .iter()
-        .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
-    assert_eq!(names, ["README", "limits.conf", "nested"]);
-    assert!(super::unread_files(&dir.path().join("a.yaml")).is_empty());
-}
-
-#[test]
 fn empty_directory_is_an_empty_config() {
     let dir = tempfile::tempdir().unwrap();
-    assert!(load_path(dir.path()).unwrap().domains.is_empty());
+    assert!(
+        load_path(dir.path(), LoadOptions::default())
+            .unwrap()
+            .domains
+            .is_empty()
+    );
 }
 
 #[test]
 fn only_a_config_without_domains_is_an_empty_config_error() {
     let dir = tempfile::tempdir().unwrap();
-    let empty = load_path(dir.path()).unwrap();
+    let empty = load_path(dir.path(), LoadOptions::default()).unwrap();
     let error = super::empty_config_error(dir.path(), &empty).expect("an error");
     assert_eq!(error.file, dir.path().display().to_string());
     // A domain without descriptors is how "no limits" is said on purpose.
     write(&dir.path().join("open.yaml"), "domain: open\n");
-    let open = load_path(dir.path()).unwrap();
+    let open = load_path(dir.path(), LoadOptions::default()).unwrap();
     assert_eq!(open.domains.len(), 1);
     assert!(open.domains["open"].root.keys.is_empty());
     assert_eq!(super::empty_config_error(dir.path(), &open), None);
@@ -1796,4 +1933,282 @@ fn limits_too_large_to_decide_exactly_are_errors() {
         "{reasons:?}"
     );
     assert!(reasons[2].contains("gcra burst 20"), "{reasons:?}");
+}
+
+// ---- one domain across files (MERGE_DOMAIN_CONFIG) ----
+
+#[test]
+fn merged_files_add_their_top_level_descriptors_to_one_domain() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("one.yaml"),
+        "domain: m\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 3, name: three}\n  - key: w\n    value: x*\n    rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    write(
+        &dir.path().join("two.yaml"),
+        "domain: m\ndescriptors:\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 4, replaces: [{name: three}]}\n  - key: a\n    value: v\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    );
+    write(&dir.path().join("other.yaml"), "domain: o\n");
+    let config = load_path(dir.path(), MERGE).unwrap();
+    assert_eq!(domain_names(&config), ["m", "o"]);
+    let m = &config.domains["m"];
+    assert_eq!(only_limit(default(&m.root, "a")).requests_per_unit, 3);
+    assert_eq!(only_limit(exact(&m.root, "a", "v")).requests_per_unit, 5);
+    assert_eq!(only_limit(default(&m.root, "b")).replaces, ["three"]);
+    assert_eq!(m.root.keys["w"].wildcards.len(), 1);
+    assert_eq!(
+        m.source,
+        format!(
+            "{}, {}",
+            dir.path().join("one.yaml").display(),
+            dir.path().join("two.yaml").display()
+        )
+    );
+    // Without merging, the second file of a domain is refused, as before.
+    let errors = load_dir_errors(dir.path());
+    assert!(
+        errors
+            .iter()
+            .any(|error| error.reason.contains("duplicate domain 'm'")),
+        "{}",
+        ConfigErrors(errors.clone())
+    );
+}
+
+#[test]
+fn a_descriptor_two_merged_files_give_is_an_error_at_its_line_naming_the_first_file() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("one.yaml"),
+        "domain: m\ndescriptors:\n  - key: a\n  - key: w\n    value: x*\n  - key: e\n    value: v\n",
+    );
+    write(
+        &dir.path().join("two.yaml"),
+        "domain: m\ndescriptors:\n  - key: a\n    descriptors: []\n  - key: e\n    value: other\n",
+    );
+    write(
+        &dir.path().join("three.yaml"),
+        "domain: m\n\ndescriptors:\n  - key: w\n    value: x*\n",
+    );
+    let errors = match load_path(dir.path(), MERGE) {
+        Ok(config) => panic!("loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    };
+    let one = dir.path().join("one.yaml").display().to_string();
+    let summary: Vec<(String, u64, String)> = errors
+        .iter()
+        .map(|e| {
+            let file = Path::new(&e.file).file_name().unwrap().to_string_lossy();
+            (file.into_owned(), e.line, e.reason.clone())
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "three.yaml".to_owned(),
+                5,
+                format!("duplicate descriptor composite key 'm.w_x*' (already defined in {one})")
+            ),
+            (
+                "two.yaml".to_owned(),
+                3,
+                format!("duplicate descriptor composite key 'm.a' (already defined in {one})")
+            ),
+        ],
+        "{}",
+        ConfigErrors(errors.clone())
+    );
+}
+
+#[test]
+fn merged_files_keep_plans_in_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let plans = "plans: {from: api_key, entry: plan, default: free}\n";
+    write(
+        &dir.path().join("a.yaml"),
+        &format!("domain: m\ndescriptors:\n  - key: plan\n    value: free\n{plans}"),
+    );
+    write(
+        &dir.path().join("b.yaml"),
+        "domain: m\ndescriptors: [{key: b}]\n",
+    );
+    let config = load_path(dir.path(), MERGE).unwrap();
+    assert!(
+        config.domains["m"].plans.is_some(),
+        "kept through the merge"
+    );
+    write(&dir.path().join("c.yaml"), &format!("domain: m\n{plans}"));
+    let errors = match load_path(dir.path(), MERGE) {
+        Ok(config) => panic!("loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    };
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].line, 2);
+    assert!(
+        errors[0].reason.contains(&format!(
+            "already given in {}",
+            dir.path().join("a.yaml").display()
+        )),
+        "{}",
+        errors[0]
+    );
+}
+
+// ---- YAML 1.1 scalars, as envoyproxy/ratelimit's yaml.v2 reads them ----
+
+#[test]
+fn yaml_1_1_scalars_load_with_the_reference_meaning() {
+    // Every meaning below is what envoyproxy/ratelimit f2fb157 did with this file: matched
+    // `k=yes` (not `k=true`), `o=010` at 8 per minute, `b=on` at 2, `u=1_000` at 10, and
+    // answered this metadata.
+    let domain = load(
+        "
+        domain: d
+        descriptors:
+          - key: k
+            value: yes
+            rate_limit: {unit: minute, requests_per_unit: 1}
+            metadata: {x: 1, y: 2, on: off, n: {y: 1, 0x10: 2.5, ~: t}, s: 010, f: 1e3}
+          - key: o
+            value: 010
+            rate_limit: {unit: minute, requests_per_unit: 010}
+          - key: b
+            value: on
+            shadow_mode: off
+            quota_mode: No
+            rate_limit: {unit: minute, requests_per_unit: 0x2, unlimited: n}
+          - key: u
+            value: 1_000
+            detailed_metric: Y
+            rate_limit: {unit: minute, requests_per_unit: 1_0}
+        ",
+    );
+    let k = exact(&domain.root, "k", "yes");
+    assert_eq!(
+        only_limit(exact(&domain.root, "o", "010")).requests_per_unit,
+        8
+    );
+    let b = only_limit(exact(&domain.root, "b", "on"));
+    assert_eq!(
+        (b.requests_per_unit, b.shadow, b.quota_mode),
+        (2, false, false)
+    );
+    let u = exact(&domain.root, "u", "1_000");
+    assert_eq!(only_limit(u).requests_per_unit, 10);
+    assert!(u.detailed_metric);
+    let json = serde_json::to_value(struct_json(k.metadata.as_ref().expect("metadata"))).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({
+            "x": 1.0, "y": 2.0, "on": false, "s": 8.0, "f": 1000.0,
+            "n": {"true": 1.0, "16": 2.5, "<nil>": "t"}
+        })
+    );
+}
+
+/// A protobuf Struct as JSON, for comparing with what the reference answered.
+fn struct_json(fields: &prost_types::Struct) -> serde_json::Value {
+    use prost_types::value::Kind;
+    fn value(of: &prost_types::Value) -> serde_json::Value {
+        match &of.kind {
+            Some(Kind::NullValue(_)) | None => serde_json::Value::Null,
+            Some(Kind::BoolValue(b)) => (*b).into(),
+            Some(Kind::NumberValue(n)) => (*n).into(),
+            Some(Kind::StringValue(s)) => s.clone().into(),
+            Some(Kind::ListValue(list)) => list.values.iter().map(value).collect(),
+            Some(Kind::StructValue(inner)) => struct_json(inner),
+        }
+    }
+    fields
+        .fields
+        .iter()
+        .map(|(key, v)| (key.clone(), value(v)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+#[test]
+fn yaml_1_1_scalars_both_refuse_are_errors_at_their_line() {
+    // envoyproxy/ratelimit refuses each too: a boolean or a float where a count goes, a
+    // number where a flag goes.
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: {unit: minute, requests_per_unit: yes}
+        ",
+        4,
+        "requests_per_unit must be an integer from 0 to 4294967295, found yes",
+    );
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: {unit: minute, requests_per_unit: 08}
+        ",
+        4,
+        "requests_per_unit must be an integer from 0 to 4294967295, found 08",
+    );
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            shadow_mode: 1
+        ",
+        4,
+        "shadow_mode must be true or false, found 1",
+    );
+    one_error(
+        "
+        domain: d
+        descriptors:
+          - key: a
+            rate_limit: {unit: on, requests_per_unit: 1}
+        ",
+        4,
+        "invalid rate limit unit 'on'",
+    );
+}
+
+#[test]
+fn a_merged_replaces_may_name_a_limit_of_any_file_of_its_domain() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("a.yaml"),
+        "domain: m\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 3, replaces: [{name: later}]}\n",
+    );
+    write(
+        &dir.path().join("b.yaml"),
+        "domain: m\ndescriptors:\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 4, name: later}\n",
+    );
+    let config = load_path(dir.path(), MERGE).unwrap();
+    assert_eq!(
+        only_limit(default(&config.domains["m"].root, "a")).replaces,
+        ["later"]
+    );
+    // A name no file of the domain gives is still an error at its line.
+    write(
+        &dir.path().join("c.yaml"),
+        "domain: m\ndescriptors:\n  - key: c\n    rate_limit:\n      unit: minute\n      requests_per_unit: 1\n      replaces: [{name: nowhere}]\n",
+    );
+    let errors = match load_path(dir.path(), MERGE) {
+        Ok(config) => panic!("loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    };
+    assert_eq!(errors.len(), 1, "{}", ConfigErrors(errors.clone()));
+    assert_eq!(
+        (errors[0].file.as_str(), errors[0].line),
+        (dir.path().join("c.yaml").to_str().unwrap(), 7)
+    );
+    assert!(
+        errors[0]
+            .reason
+            .contains("replaces unknown limit name 'nowhere'"),
+        "{}",
+        errors[0]
+    );
 }

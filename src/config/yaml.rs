@@ -2,7 +2,9 @@
 //!
 //! serde-saphyr parses the text; [`Node`]'s own `Deserialize` impl accepts any scalar, sequence
 //! or mapping and wraps each in [`serde_saphyr::Spanned`], so the loader can report every problem
-//! of a file at the exact key or value it concerns, instead of stopping at the first.
+//! of a file at the exact key or value it concerns, instead of stopping at the first. Plain
+//! scalars are then typed from their spelling as envoyproxy/ratelimit's YAML library
+//! (gopkg.in/yaml.v2, YAML 1.1) types them ([`resolve_plain`]), so a file means the same here.
 
 use std::fmt;
 
@@ -109,7 +111,8 @@ impl Node {
         let text = source.get(start..start.checked_add(len)?)?.trim();
         let plain = !text.is_empty()
             && !text.starts_with(['"', '\'', '!', '&', '*', '|', '>'])
-            && !text.contains(['\n', '#']);
+            && !text.contains(['\n', '#'])
+            && !tagged(&source[..start]);
         plain.then(|| text.to_owned())
     }
 
@@ -125,6 +128,23 @@ impl Node {
     }
 }
 
+/// Whether the scalar after `before` carries a tag (`!!str 010`), perhaps beside an anchor:
+/// its span starts after them.
+fn tagged(before: &str) -> bool {
+    let tokens = before
+        .split(|c: char| c.is_whitespace() || matches!(c, '[' | '{' | ','))
+        .filter(|token| !token.is_empty());
+    for token in tokens.rev() {
+        if token.starts_with('!') {
+            return true;
+        }
+        if !token.starts_with('&') {
+            return false;
+        }
+    }
+    false
+}
+
 /// Parses one YAML document into a [`Node`] tree. An empty document is a `Null` node at line 1.
 pub fn parse(text: &str) -> Result<Node, serde_saphyr::Error> {
     if text.trim().is_empty() {
@@ -137,7 +157,187 @@ pub fn parse(text: &str) -> Result<Node, serde_saphyr::Error> {
     if root.pos.line == 0 {
         root.pos = Pos::new(1, 1);
     }
+    retype_plain_scalars(&mut root, text);
     Ok(root)
+}
+
+/// Gives every plain scalar of the tree the type yaml.v2 gives its spelling (`y`, `on` are
+/// booleans, `010` is 8, `1_000` is 1000); quoted, tagged and block scalars keep theirs.
+fn retype_plain_scalars(node: &mut Node, source: &str) {
+    match &mut node.value {
+        Value::Seq(items) => {
+            for item in items {
+                retype_plain_scalars(item, source);
+            }
+        }
+        Value::Map(entries) => {
+            for (key, value) in entries {
+                retype_plain_scalars(key, source);
+                retype_plain_scalars(value, source);
+            }
+        }
+        _ => {
+            let Some(raw) = node.raw(source) else {
+                return;
+            };
+            // A string whose span does not spell it (never seen) is left as parsed.
+            if matches!(&node.value, Value::Str(text) if *text != raw) {
+                return;
+            }
+            node.value = resolve_plain(&raw);
+        }
+    }
+}
+
+/// The value gopkg.in/yaml.v2 (v2.4.0, `resolve.go`) gives an untagged plain scalar: its
+/// YAML 1.1 booleans and nulls, Go's base-prefixed integers (`0x`, `0o`, `0b`, a leading `0`
+/// for octal) with `_` ignored, floats of its float pattern, and strings for everything else
+/// (timestamps included: they reach the config as their spelling).
+pub fn resolve_plain(text: &str) -> Value {
+    const TRUE: &[&str] = &[
+        "y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON",
+    ];
+    const FALSE: &[&str] = &[
+        "n", "N", "no", "No", "NO", "false", "False", "FALSE", "off", "Off", "OFF",
+    ];
+    const NULL: &[&str] = &["", "~", "null", "Null", "NULL"];
+    if TRUE.contains(&text) {
+        return Value::Bool(true);
+    }
+    if FALSE.contains(&text) {
+        return Value::Bool(false);
+    }
+    if NULL.contains(&text) {
+        return Value::Null;
+    }
+    match text {
+        ".nan" | ".NaN" | ".NAN" => return Value::Float(f64::NAN),
+        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
+            return Value::Float(f64::INFINITY);
+        }
+        "-.inf" | "-.Inf" | "-.INF" => return Value::Float(f64::NEG_INFINITY),
+        _ => {}
+    }
+    match text.as_bytes()[0] {
+        // Not in the table above: maybe a plain float.
+        b'.' => text
+            .parse::<f64>()
+            .map_or_else(|_| Value::Str(text.to_owned()), Value::Float),
+        b'0'..=b'9' | b'+' | b'-' => {
+            let plain = text.replace('_', "");
+            if let Some(int) = go_parse_int(&plain) {
+                return Value::Int(int);
+            }
+            if is_yaml_float(&plain)
+                && let Ok(float) = plain.parse::<f64>()
+            {
+                return Value::Float(float);
+            }
+            Value::Str(text.to_owned())
+        }
+        _ => Value::Str(text.to_owned()),
+    }
+}
+
+/// Go's `strconv.ParseInt(text, 0, 64)`, falling back to `ParseUint(text, 0, 64)` as yaml.v2
+/// does: an optional sign (`+` only for the signed range), then `0x`, `0o`, `0b` or a leading
+/// `0` (octal), then at least one digit of that base.
+fn go_parse_int(text: &str) -> Option<i128> {
+    let (negative, signed, rest) = match text.as_bytes().first()? {
+        b'-' => (true, true, &text[1..]),
+        b'+' => (false, true, &text[1..]),
+        _ => (false, false, text),
+    };
+    let lower = rest.to_ascii_lowercase();
+    let (radix, digits) = if let Some(digits) = lower.strip_prefix("0x") {
+        (16, digits)
+    } else if let Some(digits) = lower.strip_prefix("0o") {
+        (8, digits)
+    } else if let Some(digits) = lower.strip_prefix("0b") {
+        (2, digits)
+    } else if lower.len() > 1
+        && let Some(digits) = lower.strip_prefix('0')
+    {
+        (8, digits)
+    } else {
+        (10, lower.as_str())
+    };
+    // from_str_radix would take a second sign.
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let magnitude = u128::from_str_radix(digits, radix).ok()?;
+    let value = if negative {
+        -i128::try_from(magnitude).ok()?
+    } else {
+        i128::try_from(magnitude).ok()?
+    };
+    let fits_i64 = i64::try_from(value).is_ok();
+    let fits_u64 = !signed && u64::try_from(value).is_ok();
+    (fits_i64 || fits_u64).then_some(value)
+}
+
+/// yaml.v2's float pattern: `^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$`.
+fn is_yaml_float(text: &str) -> bool {
+    let digits = |s: &str| s.len() - s.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let mut rest = text.strip_prefix(['-', '+']).unwrap_or(text);
+    if let Some(fraction) = rest.strip_prefix('.') {
+        let n = digits(fraction);
+        if n == 0 {
+            return false;
+        }
+        rest = &fraction[n..];
+    } else {
+        let n = digits(rest);
+        if n == 0 {
+            return false;
+        }
+        rest = &rest[n..];
+        if let Some(fraction) = rest.strip_prefix('.') {
+            rest = &fraction[digits(fraction)..];
+        }
+    }
+    if let Some(exponent) = rest.strip_prefix(['e', 'E']) {
+        let exponent = exponent.strip_prefix(['-', '+']).unwrap_or(exponent);
+        let n = digits(exponent);
+        return n > 0 && n == exponent.len();
+    }
+    rest.is_empty()
+}
+
+/// Go's `fmt.Sprintf("%v", x)` of a scalar yaml.v2 decoded: how envoyproxy/ratelimit names a
+/// non-string key of a mapping nested in `metadata:` (`0x10` becomes "16", `~` "<nil>").
+pub fn go_format(value: &Value) -> Option<String> {
+    Some(match value {
+        Value::Null => "<nil>".to_owned(),
+        Value::Bool(b) => b.to_string(),
+        Value::Int(i) => i.to_string(),
+        Value::Float(f) => go_format_float(*f),
+        Value::Str(s) => s.clone(),
+        Value::Seq(_) | Value::Map(_) => return None,
+    })
+}
+
+/// Go's `%v` of a float64, `strconv.FormatFloat(f, 'g', -1, 64)`: the shortest digits, with
+/// an exponent of at least two digits when it is below -4 or 6 and above (`1e+06`).
+fn go_format_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".to_owned();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "+Inf" } else { "-Inf" }.to_owned();
+    }
+    // `{:e}` is the shortest round-trip digits as `d.ddde<exp>`.
+    let scientific = format!("{f:e}");
+    let Some((mantissa, exponent)) = scientific.split_once('e') else {
+        return f.to_string();
+    };
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    if f == 0.0 || (-4..6).contains(&exponent) {
+        return f.to_string();
+    }
+    let sign = if exponent < 0 { '-' } else { '+' };
+    format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs())
 }
 
 /// A serde-saphyr error as the position it reports and its message without the location suffix.
@@ -329,5 +529,104 @@ mod tests {
         let (pos, message) = describe_error(&err);
         assert_eq!(pos.line, 2);
         assert!(message.contains("duplicate mapping key"), "{message}");
+    }
+
+    #[test]
+    fn plain_scalars_are_typed_as_yaml_v2_types_them() {
+        use Value::{Bool, Float, Int, Null, Str};
+        let s = |text: &str| Str(text.to_owned());
+        for (text, expected) in [
+            ("y", Bool(true)),
+            ("Yes", Bool(true)),
+            ("ON", Bool(true)),
+            ("True", Bool(true)),
+            ("n", Bool(false)),
+            ("NO", Bool(false)),
+            ("Off", Bool(false)),
+            ("FALSE", Bool(false)),
+            // Only the three spellings of each word, as in yaml.v2's table.
+            ("tRUE", s("tRUE")),
+            ("oN", s("oN")),
+            ("~", Null),
+            ("NULL", Null),
+            ("nULL", s("nULL")),
+            ("010", Int(8)),
+            ("0o17", Int(15)),
+            ("0x1F", Int(31)),
+            ("-0b11", Int(-3)),
+            ("+12", Int(12)),
+            ("1_000", Int(1000)),
+            ("1__0", Int(10)),
+            ("9223372036854775808", Int(9_223_372_036_854_775_808)),
+            ("18446744073709551616", Float(18_446_744_073_709_551_616.0)),
+            ("-9223372036854775809", Float(-9_223_372_036_854_775_809.0)),
+            ("08", Float(8.0)),
+            ("1e3", Float(1000.0)),
+            (".5", Float(0.5)),
+            ("1.", Float(1.0)),
+            ("-.inf", Float(f64::NEG_INFINITY)),
+            ("0x", s("0x")),
+            ("1e", s("1e")),
+            ("+", s("+")),
+            ("2001-12-14", s("2001-12-14")),
+            ("1:30", s("1:30")),
+            ("abc", s("abc")),
+        ] {
+            assert_eq!(resolve_plain(text), expected, "{text}");
+        }
+        assert!(matches!(resolve_plain(".NaN"), Float(f) if f.is_nan()));
+    }
+
+    #[test]
+    fn nested_metadata_keys_are_spelled_as_gos_percent_v() {
+        // What envoyproxy/ratelimit f2fb157 answered for these keys of a mapping in metadata.
+        for (text, expected) in [
+            ("1e6", "1e+06"),
+            ("0.00001", "1e-05"),
+            ("123456.5", "123456.5"),
+            ("1.5", "1.5"),
+            (".5", "0.5"),
+            ("08", "8"),
+            ("-0b11", "-3"),
+            ("0o17", "15"),
+            ("9223372036854775808", "9223372036854775808"),
+            ("Off", "false"),
+            ("TRUE", "true"),
+            ("~", "<nil>"),
+            ("2001-12-14", "2001-12-14"),
+        ] {
+            assert_eq!(
+                go_format(&resolve_plain(text)).as_deref(),
+                Some(expected),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_plain_scalars_are_retyped() {
+        let text = "a: y\nb: 'y'\nc: !!str 010\nd: 010\ne: \"on\"\ny: on\nz: [!!str y, &a n]\n";
+        let root = parse(text).unwrap();
+        let top = map(&root);
+        let values: Vec<&Value> = top[..6].iter().map(|(_, v)| &v.value).collect();
+        assert_eq!(
+            values,
+            [
+                &Value::Bool(true),
+                &Value::Str("y".into()),
+                &Value::Str("010".into()),
+                &Value::Int(8),
+                &Value::Str("on".into()),
+                &Value::Bool(true),
+            ]
+        );
+        let Value::Seq(items) = &top[6].1.value else {
+            panic!("not a seq")
+        };
+        assert_eq!(items[0].value, Value::Str("y".into()));
+        assert_eq!(items[1].value, Value::Bool(false));
+        // Keys too, and their spelling stays recoverable.
+        assert_eq!(top[5].0.value, Value::Bool(true));
+        assert_eq!(top[5].0.scalar_text(text).as_deref(), Some("y"));
     }
 }

@@ -66,6 +66,43 @@ fn unset_variables_take_envoyproxy_ratelimits_defaults() {
 }
 
 #[test]
+fn dotfiles_and_domain_merging_as_goruntime_and_the_loader_read_them() {
+    let has = |vars: &[(&str, &str)], flag: &str| {
+        read(vars)
+            .expect("supported")
+            .args
+            .iter()
+            .any(|arg| arg == flag)
+    };
+    // goruntime reads dot names unless RUNTIME_IGNOREDOTFILES=true.
+    assert!(has(&[], "--config-dotfiles"));
+    assert!(has(
+        &[("RUNTIME_IGNOREDOTFILES", "false")],
+        "--config-dotfiles"
+    ));
+    assert!(!has(
+        &[("RUNTIME_IGNOREDOTFILES", "true")],
+        "--config-dotfiles"
+    ));
+    assert!(!has(&[], "--merge-domain-config"));
+    assert!(has(
+        &[("MERGE_DOMAIN_CONFIG", "true")],
+        "--merge-domain-config"
+    ));
+    assert!(!has(
+        &[("MERGE_DOMAIN_CONFIG", "false")],
+        "--merge-domain-config"
+    ));
+    // Both reach an xDS config too (resources of one domain merge).
+    let xds = [
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", "127.0.0.1:18000"),
+        ("MERGE_DOMAIN_CONFIG", "true"),
+    ];
+    assert!(has(&xds, "--merge-domain-config"));
+}
+
+#[test]
 fn ports_hosts_and_the_unix_socket() {
     let flags = read(&[
         ("HOST", "127.0.0.1"),
@@ -257,7 +294,11 @@ fn what_would_change_the_answers_is_refused_by_name() {
             &[("REDIS_TLS_CLIENT_KEY", "/k.pem")],
             "REDIS_TLS_CLIENT_KEY",
         ),
-        (&[("MERGE_DOMAIN_CONFIG", "true")], "MERGE_DOMAIN_CONFIG"),
+        (&[("MERGE_DOMAIN_CONFIG", "maybe")], "MERGE_DOMAIN_CONFIG"),
+        (
+            &[("RUNTIME_IGNOREDOTFILES", "maybe")],
+            "RUNTIME_IGNOREDOTFILES",
+        ),
         (&[("BACKEND_TYPE", "memcache")], "BACKEND_TYPE"),
         (
             &[("REDIS_TLS_CLIENT_CERT", "/c.pem")],

@@ -40,9 +40,12 @@ pub const DEFAULT_DURATION_US: u64 = 120 * 1_000_000;
 #[derive(Debug, Clone, clap::Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["traffic", "pattern"])))]
 pub struct Args {
-    /// A YAML file, or a directory of `*.yaml` files (one domain each).
+    /// A YAML file, or a directory: every file below it is read (one domain each).
     #[arg(long, env = "RLSD_CONFIG")]
     pub config: PathBuf,
+    /// How the directory is read.
+    #[command(flatten)]
+    pub read: crate::cli::ConfigReadArgs,
     /// The request's domain.
     #[arg(long)]
     pub domain: String,
@@ -221,7 +224,7 @@ impl Report {
 /// Runs `rlsd simulate`: prints the table to stdout and writes the SVG.
 pub fn run(args: &Args) -> Result<(), Error> {
     let scenario = scenario(args)?;
-    let config = config::load_path(&args.config).map_err(|errors| {
+    let config = config::load_path(&args.config, args.read.options()).map_err(|errors| {
         Error(format!(
             "invalid config {}:\n{errors}",
             args.config.display()

@@ -1,6 +1,7 @@
 use prost::Message as _;
 
 use super::*;
+use crate::config::LoadOptions;
 use crate::pb::ratelimit::config::ratelimit::v3::RateLimitReplace;
 
 fn descriptor(key: &str, value: &str, unit: RateLimitUnit, per_unit: u32) -> RateLimitDescriptor {
@@ -63,7 +64,7 @@ fn a_pushed_set_loads_like_the_files_it_stands_for() {
             resource("", "plans", vec![named, other]),
         ],
     );
-    let config = load_response(&set).unwrap();
+    let config = load_response(&set, LoadOptions::default()).unwrap();
     assert_eq!(config.domains.len(), 2);
     assert_eq!(config.domains["edge"].source, "xds:edge version v7");
     assert_eq!(config.domains["plans"].source, "xds:plans version v7");
@@ -85,9 +86,12 @@ fn a_pushed_set_loads_like_the_files_it_stands_for() {
 #[test]
 fn a_bad_set_is_refused_with_the_loaders_reason_named_by_resource() {
     let bad = descriptor("k", "v", RateLimitUnit::Unknown, 10);
-    let error = load_response(&response("2", &[resource("bad-one", "d", vec![bad])]))
-        .err()
-        .unwrap();
+    let error = load_response(
+        &response("2", &[resource("bad-one", "d", vec![bad])]),
+        LoadOptions::default(),
+    )
+    .err()
+    .unwrap();
     assert!(error.starts_with("xds:bad-one:"), "{error}");
     assert!(error.contains("unit"), "{error}");
 
@@ -95,36 +99,38 @@ fn a_bad_set_is_refused_with_the_loaders_reason_named_by_resource() {
         "3",
         &[resource("a", "same", vec![]), resource("b", "same", vec![])],
     );
-    let error = load_response(&twice).err().unwrap();
+    let error = load_response(&twice, LoadOptions::default()).err().unwrap();
     assert!(error.contains("duplicate domain 'same'"), "{error}");
 
     let no_domain = response("4", &[resource("x", "", vec![])]);
-    assert!(load_response(&no_domain).is_err());
+    assert!(load_response(&no_domain, LoadOptions::default()).is_err());
 }
 
 #[test]
 fn a_wrong_type_or_garbage_resource_is_refused() {
     let mut wrong = response("1", &[resource("a", "a", vec![])]);
     wrong.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".to_owned();
-    let error = load_response(&wrong).err().unwrap();
+    let error = load_response(&wrong, LoadOptions::default()).err().unwrap();
     assert!(error.contains("envoy.config.cluster.v3.Cluster"), "{error}");
 
     let mut inner = response("1", &[resource("a", "a", vec![])]);
     inner.resources[0].type_url = "type.googleapis.com/google.protobuf.Empty".to_owned();
-    assert!(load_response(&inner).is_err());
+    assert!(load_response(&inner, LoadOptions::default()).is_err());
 
     let mut garbage = response("1", &[]);
     garbage.resources.push(prost_types::Any {
         type_url: TYPE_URL.to_owned(),
         value: vec![0xff, 0xff, 0xff, 0xff],
     });
-    let error = load_response(&garbage).err().unwrap();
+    let error = load_response(&garbage, LoadOptions::default())
+        .err()
+        .unwrap();
     assert!(error.contains("not a RateLimitConfig"), "{error}");
 }
 
 #[test]
 fn no_resources_is_an_empty_config() {
-    let config = load_response(&response("9", &[])).unwrap();
+    let config = load_response(&response("9", &[]), LoadOptions::default()).unwrap();
     assert!(config.domains.is_empty());
 }
 
@@ -165,7 +171,11 @@ fn quota_mode_and_metadata_come_over_xds_as_in_files() {
         ]
         .into(),
     });
-    let config = load_response(&response("1", &[resource("ai", "ai", vec![quota])])).unwrap();
+    let config = load_response(
+        &response("1", &[resource("ai", "ai", vec![quota])]),
+        LoadOptions::default(),
+    )
+    .unwrap();
     let described = crate::admin::describe(&config);
     assert!(
         described.contains("ai.model_small: 2 per hour (fixed_window) [quota]"),
@@ -192,6 +202,7 @@ fn retry_settings(jitter: f64) -> XdsSettings {
         headers: Vec::new(),
         tls: None,
         max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+        merge_domains: false,
     }
 }
 

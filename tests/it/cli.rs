@@ -52,46 +52,65 @@ fn check_reports_every_error_with_file_and_line_and_exits_1() {
     assert!(stderr.contains("unknown key 'colour'"), "{stderr}");
 }
 
+#[cfg(unix)]
 #[test]
-fn check_warns_about_files_it_does_not_read_and_fails_a_config_without_domains() {
-    // A directory written for envoyproxy/ratelimit, which reads files of any name.
+fn check_reads_every_file_below_warns_about_symlinked_directories_and_fails_without_domains() {
+    // A directory written for envoyproxy/ratelimit, which reads every file below it, any name.
     let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    std::fs::write(elsewhere.path().join("x.yaml"), "domain: elsewhere\n").expect("write");
     std::fs::create_dir(dir.path().join("team-a")).expect("mkdir");
-    let output = Command::new(RLSD)
-        .arg("check")
-        .arg("--config")
-        .arg(dir.path())
-        .output()
-        .expect("run");
+    std::os::unix::fs::symlink(elsewhere.path(), dir.path().join("shared")).expect("symlink");
+    let check = |extra: &[&str]| {
+        Command::new(RLSD)
+            .arg("check")
+            .arg("--config")
+            .arg(dir.path())
+            .args(extra)
+            .output()
+            .expect("run")
+    };
+    let output = check(&[]);
     // A reload would refuse this directory, so the check fails it.
     assert!(!output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains(
-            "not read, as only *.yaml and *.yml files at the top level are config files: \
-             limits.conf, team-a/"
-        ) && stderr.contains(&format!("path={}", dir.path().display())),
+        stderr.contains(&format!(
+            "not read, as symlinks to directories are not followed and only files are config: {}",
+            dir.path().join("shared").display()
+        )) && stderr.contains(&format!("path={}", dir.path().display())),
         "{stderr}"
     );
     assert!(
-        stderr.contains("no config file (*.yaml or *.yml with a 'domain:')"),
+        stderr.contains("no config file (a file with a 'domain:')"),
         "{stderr}"
     );
 
-    // A domain without limits says "no limits" on purpose, and passes.
-    std::fs::write(dir.path().join("open.yaml"), "domain: open\n").expect("write");
-    let output = Command::new(RLSD)
-        .arg("check")
-        .arg("--config")
-        .arg(dir.path())
-        .output()
-        .expect("run");
+    // Any name, any depth; a dot name only with --config-dotfiles.
+    std::fs::write(dir.path().join("limits.conf"), "domain: edge\n").expect("write");
+    std::fs::write(dir.path().join("team-a/routes"), "domain: routes\n").expect("write");
+    std::fs::write(dir.path().join(".draft"), "domain: draft\n").expect("write");
+    let output = check(&[]);
     assert!(output.status.success(), "{output:?}");
     assert!(
-        String::from_utf8_lossy(&output.stdout).contains("1 domain(s) OK"),
+        String::from_utf8_lossy(&output.stdout).contains("2 domain(s) OK"),
         "{output:?}"
     );
+    let output = check(&["--config-dotfiles"]);
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("3 domain(s) OK"),
+        "{output:?}"
+    );
+    // One domain in two files: refused, unless merged.
+    std::fs::write(dir.path().join("team-a/more"), "domain: routes\n").expect("write");
+    let output = check(&[]);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("duplicate domain 'routes'"),
+        "{output:?}"
+    );
+    let output = check(&["--merge-domain-config"]);
+    assert!(output.status.success(), "{output:?}");
 }
 
 /// Runs `rlsd serve` with `args` on loopback ports; asserts that it exits with an error without

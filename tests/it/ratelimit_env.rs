@@ -120,7 +120,6 @@ async fn istio_sample_environment_serves_its_config_from_its_redis_without_heade
 fn settings_it_cannot_honour_stop_the_start_by_name() {
     let dir = installed(PRODUCTPAGE);
     for (variable, value, said) in [
-        ("MERGE_DOMAIN_CONFIG", "true", "MERGE_DOMAIN_CONFIG=true"),
         ("BACKEND_TYPE", "memcache", "BACKEND_TYPE=memcache"),
         (
             "LIMIT_LIMIT_HEADER",
@@ -305,4 +304,82 @@ async fn shadow_mode_keeps_each_status_and_disable_stats_opens_no_metrics_port()
         ]
     );
     assert!(rlsd.log().contains("DISABLE_STATS"), "{}", rlsd.log());
+}
+
+/// A ConfigMap key of the merged test: one half of domain `split`, with YAML 1.1 scalars.
+const SPLIT_ONE: &str = "domain: split\ndescriptors:\n  - key: k\n    value: yes\n    metadata: {x: 1, y: 2}\n    rate_limit: {unit: hour, requests_per_unit: 01}\n";
+/// The other half.
+const SPLIT_TWO: &str = "domain: split\ndescriptors:\n  - key: m\n    rate_limit: {unit: hour, requests_per_unit: 0x2}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_of_one_domain_in_two_keys_loads_with_merge_domain_config_and_dotfiles_read() {
+    use std::os::unix::fs::symlink;
+    let redis = RedisServer::start();
+    let dir = installed(PRODUCTPAGE);
+    // The config directory as a ConfigMap volume, keys without a .yaml name.
+    let configs = dir.path().join("data/ratelimit/config");
+    std::fs::remove_file(configs.join("ratelimit.yaml")).expect("remove");
+    let stamp = configs.join("..2026_12_07_21_00_00.1");
+    std::fs::create_dir(&stamp).expect("mkdir");
+    std::fs::write(stamp.join("split-one.conf"), SPLIT_ONE).expect("write");
+    std::fs::write(stamp.join("split-two"), SPLIT_TWO).expect("write");
+    symlink("..2026_12_07_21_00_00.1", configs.join("..data")).expect("symlink");
+    for name in ["split-one.conf", "split-two"] {
+        symlink(format!("..data/{name}"), configs.join(name)).expect("symlink");
+    }
+    let mut command = ratelimit(dir.path());
+    // Unset, as in most Deployments: goruntime's default reads dot names.
+    command
+        .env_remove("RUNTIME_IGNOREDOTFILES")
+        .env("MERGE_DOMAIN_CONFIG", "true")
+        .env("RESPONSE_DYNAMIC_METADATA", "true")
+        .env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port));
+    let rlsd = Rlsd::start(command);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
+        .await
+        .expect("connect");
+    let mut ask = async |key: &str, value: &str| {
+        client
+            .should_rate_limit(request("split", vec![descriptor(&[(key, value)])]))
+            .await
+            .expect("answer")
+            .into_inner()
+    };
+    // `value: yes` is the string "yes", as envoyproxy/ratelimit reads it: `k=true` has no limit.
+    let first = ask("k", "yes").await;
+    assert_eq!(codes(&first), (Code::Ok, vec![Code::Ok]));
+    assert_eq!(
+        first.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(1)
+    );
+    assert_eq!(codes(&ask("k", "yes").await).0, Code::OverLimit);
+    let other = ask("k", "true").await;
+    assert!(other.statuses[0].current_limit.is_none(), "{other:?}");
+    // `metadata: {x: 1, y: 2}`: `y` is a key spelled y, holding the number 2.
+    use prost_types::value::Kind;
+    let metadata = first
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|metadata| metadata.fields.get("metadata"))
+        .and_then(|metadata| match &metadata.kind {
+            Some(Kind::StructValue(fields)) => Some(fields.clone()),
+            _ => None,
+        })
+        .expect("metadata");
+    assert_eq!(metadata.fields["y"].kind, Some(Kind::NumberValue(2.0)));
+    // The second key's half of the domain: requests_per_unit 0x2.
+    let m = ask("m", "any").await;
+    assert_eq!(
+        m.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(2)
+    );
+    let log = rlsd.log();
+    assert!(!log.contains("ERROR"), "{log}");
 }

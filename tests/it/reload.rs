@@ -88,9 +88,11 @@ impl Running {
 
 /// Replaces `file` the way editors and `kubectl cp` do, by renaming a finished copy over it: a
 /// plain `fs::write` truncates first, and a reload that reads the empty file in between rightly
-/// rejects it, which made this test's error count and log racy.
+/// rejects it, which made this test's error count and log racy. The copy has a dot name, which
+/// is not read: every other file below the directory is.
 fn replace(file: &std::path::Path, text: &str) {
-    let staged = file.with_extension("staged");
+    let name = file.file_name().expect("a file name").to_string_lossy();
+    let staged = file.with_file_name(format!(".{name}.staged"));
     std::fs::write(&staged, text).expect("write");
     std::fs::rename(&staged, file).expect("rename");
 }
@@ -153,26 +155,136 @@ async fn sighup_reloads_when_polling_is_off() {
     rlsd.wait_for_config("live.user: 7 per day").await;
 }
 
+/// Writes version `stamp` of a ConfigMap volume the way the kubelet's atomic writer does: the
+/// files into a new timestamped dot directory, a symlink to it renamed over `..data`, a
+/// top-level symlink into `..data` per key, and only then the old version removed.
+#[cfg(unix)]
+fn configmap_version(root: &Path, stamp: &str, files: &[(&str, String)], old: Option<&str>) {
+    use std::os::unix::fs::symlink;
+    std::fs::create_dir(root.join(stamp)).expect("mkdir");
+    for (name, text) in files {
+        std::fs::write(root.join(stamp).join(name), text).expect("write");
+    }
+    symlink(stamp, root.join("..data_tmp")).expect("symlink");
+    std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
+    for (name, _) in files {
+        if std::fs::symlink_metadata(root.join(name)).is_err() {
+            symlink(format!("..data/{name}"), root.join(name)).expect("symlink");
+        }
+    }
+    if let Some(old) = old {
+        std::fs::remove_dir_all(root.join(old)).expect("cleanup");
+    }
+}
+
 #[cfg(unix)]
 #[tokio::test]
-async fn a_kubernetes_configmap_symlink_swap_is_seen() {
-    use std::os::unix::fs::symlink;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let root = dir.path();
-    std::fs::create_dir(root.join("..2026_12_02_v1")).expect("mkdir");
-    std::fs::write(root.join("..2026_12_02_v1/live.yaml"), config(3)).expect("write");
-    symlink("..2026_12_02_v1", root.join("..data")).expect("symlink");
-    symlink("..data/live.yaml", root.join("live.yaml")).expect("symlink");
-    let rlsd = Running::start(root, &["--reload-interval-ms", "100"]).await;
-    assert!(rlsd.rlconfig().await.contains("3 per day"));
+async fn a_kubernetes_configmap_loads_each_file_once_and_its_update_is_seen() {
+    // The keys need no .yaml name; each file loads once whether dot names are read
+    // (RUNTIME_IGNOREDOTFILES=false, where envoyproxy/ratelimit loads each twice and refuses
+    // the duplicate domain) or not.
+    let other = |limit: u32| {
+        format!(
+            "domain: other\ndescriptors: [{{key: k, rate_limit: {{unit: day, requests_per_unit: {limit}}}}}]\n"
+        )
+    };
+    for dotfiles in [false, true] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let v1 = [("live.yaml", config(3)), ("other.conf", other(4))];
+        configmap_version(root, "..2026_12_07_21_00_00.1", &v1, None);
+        let flags: &[&str] = if dotfiles {
+            &["--reload-interval-ms", "100", "--config-dotfiles"]
+        } else {
+            &["--reload-interval-ms", "100"]
+        };
+        let rlsd = Running::start(root, flags).await;
+        let limits = rlsd.rlconfig().await;
+        assert!(limits.contains("live.user: 3 per day"), "{limits}");
+        assert!(limits.contains("other.k: 4 per day"), "{limits}");
+        assert_eq!(rlsd.remaining("ann").await, 2);
 
-    // What the kubelet does: write a new version, then atomically replace `..data`.
-    std::fs::create_dir(root.join("..2026_12_02_v2")).expect("mkdir");
-    std::fs::write(root.join("..2026_12_02_v2/live.yaml"), config(9)).expect("write");
-    symlink("..2026_12_02_v2", root.join("..data_tmp")).expect("symlink");
-    std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
-    std::fs::remove_dir_all(root.join("..2026_12_02_v1")).expect("cleanup");
-    rlsd.wait_for_config("live.user: 9 per day").await;
+        let v2 = [("live.yaml", config(9)), ("other.conf", other(5))];
+        configmap_version(
+            root,
+            "..2026_12_07_21_05_00.2",
+            &v2,
+            Some("..2026_12_07_21_00_00.1"),
+        );
+        rlsd.wait_for_config("live.user: 9 per day").await;
+        let limits = rlsd.rlconfig().await;
+        assert!(limits.contains("other.k: 5 per day"), "{limits}");
+        // The counter carried over, and no version was ever refused (no file read twice).
+        assert_eq!(rlsd.remaining("ann").await, 7, "dotfiles {dotfiles}");
+        assert_eq!(
+            rlsd.metric("ratelimit_service_config_load_error").await,
+            0.0,
+            "dotfiles {dotfiles}: {}",
+            rlsd.log()
+        );
+        assert_eq!(
+            rlsd.metric("ratelimit_service_config_load_success").await,
+            2.0,
+            "dotfiles {dotfiles}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_file_in_a_subdirectory_is_read_and_reloaded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(dir.path().join("teams")).expect("mkdir");
+    let file = dir.path().join("teams").join("live");
+    std::fs::write(&file, config(3)).expect("write");
+    let rlsd = Running::start(dir.path(), &["--reload-interval-ms", "100"]).await;
+    assert_eq!(rlsd.remaining("ann").await, 2);
+    replace(&file, &config(6));
+    rlsd.wait_for_config("live.user: 6 per day").await;
+    assert_eq!(rlsd.remaining("ann").await, 4);
+}
+
+#[tokio::test]
+async fn merged_domain_files_reload_together_and_a_clash_is_refused_by_file_and_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let extra = |key: &str, limit: u32| {
+        format!(
+            "domain: live\ndescriptors:\n  - key: {key}\n    rate_limit: {{unit: day, requests_per_unit: {limit}}}\n"
+        )
+    };
+    std::fs::write(dir.path().join("live.yaml"), config(3)).expect("write");
+    let second = dir.path().join("team.yaml");
+    std::fs::write(&second, extra("team", 4)).expect("write");
+    let rlsd = Running::start(
+        dir.path(),
+        &["--reload-interval-ms", "100", "--merge-domain-config"],
+    )
+    .await;
+    let limits = rlsd.rlconfig().await;
+    assert!(limits.contains("live.user: 3 per day"), "{limits}");
+    assert!(limits.contains("live.team: 4 per day"), "{limits}");
+    assert_eq!(rlsd.remaining("ann").await, 2);
+
+    replace(&second, &extra("team", 8));
+    rlsd.wait_for_config("live.team: 8 per day").await;
+
+    // The second file now gives `user` too: refused, naming the file, its line and the first.
+    replace(&second, &extra("user", 1));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rlsd.metric("ratelimit_service_config_load_error").await < 1.0 {
+        assert!(Instant::now() < deadline, "the clash was never looked at");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        rlsd.remaining("ann").await,
+        1,
+        "the last config still counts"
+    );
+    let log = rlsd.log();
+    assert!(
+        log.contains("team.yaml:3:")
+            && log.contains("duplicate descriptor composite key 'live.user' (already defined in"),
+        "{log}"
+    );
 }
 
 #[tokio::test]

@@ -146,7 +146,11 @@ fn brute_max_in_window(report: &Report, run: usize, window_us: u64) -> usize {
 #[test]
 fn configured_algorithms_decide_exactly_as_the_engine_does() {
     // One limit per algorithm, with custom bursts and periods.
-    let config = config::load_path(Path::new("examples/algorithms.yaml")).expect("example");
+    let config = config::load_path(
+        Path::new("examples/algorithms.yaml"),
+        config::LoadOptions::default(),
+    )
+    .expect("example");
     for algorithm in Algorithm::ALL {
         let descriptor = format!("algorithm={},user=u1", algorithm.name());
         let mut scenario = scenario(
@@ -273,7 +277,8 @@ fn longest_retry_after_is_the_largest_reset_of_a_denied_request() {
 
 #[test]
 fn setup_errors_are_clear() {
-    let config = config::load_path(Path::new(THREE_LAYER)).expect("example");
+    let config =
+        config::load_path(Path::new(THREE_LAYER), config::LoadOptions::default()).expect("example");
     let cases = [
         (
             "nope",
@@ -446,7 +451,8 @@ fn the_checker_rejects_malformed_xml() {
 
 #[test]
 fn the_picture_is_well_formed_svg_with_one_panel_per_algorithm() {
-    let config = config::load_path(Path::new(THREE_LAYER)).expect("example");
+    let config =
+        config::load_path(Path::new(THREE_LAYER), config::LoadOptions::default()).expect("example");
     // A value full of XML specials reaches the title through the wildcard `api_key`.
     let report = simulate::simulate(
         &config,
