@@ -12,6 +12,7 @@ mod ceiling;
 mod opts;
 mod phases;
 mod plot;
+mod pooled;
 mod report;
 mod servers;
 
@@ -46,7 +47,7 @@ const CLIENTS: usize = 1000;
 const WARMUP: Duration = Duration::from_millis(500);
 
 fn uses_redis(server: &str) -> bool {
-    server.starts_with("redis")
+    server.starts_with("redis") || server.starts_with("pool")
 }
 
 /// A peak phase's measurements, by shape: every server's rounds, the ceiling's rounds and
@@ -268,8 +269,15 @@ fn print_header(opts: &Opts, stalls_before: Option<&[stalls::CpuStalls]>) {
     );
     println!(
         "# servers: baseline = tonic server that answers OK and does nothing else; rlsd = in-process store; \
+         floor = the baseline's handler on rlsd's own HTTP/2 stack (lanes, connections, codec); \
          redis = Redis store, coalescing; redis-1 = Redis store, one EVALSHA per request"
     );
+    if opts.pool {
+        println!(
+            "# RLSD_BENCH_POOL=1: pool = rlsd on a deadpool-redis pool, coalescing as the store does; \
+             pool-1 = the same pool, one EVALSHA per request"
+        );
+    }
     println!("# CPU columns: µs of CPU per request (and % of one core over the phase)");
     if let Some(stalls) = stalls_before {
         println!(

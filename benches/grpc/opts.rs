@@ -21,6 +21,7 @@ pub(crate) struct Opts {
     pub(crate) client_threads: usize,
     pub(crate) shared: bool,
     pub(crate) extra: bool,
+    pub(crate) pool: bool,
     pub(crate) tracing: bool,
     pub(crate) phases: Vec<String>,
     pub(crate) open_rate: Option<f64>,
@@ -60,6 +61,7 @@ impl Opts {
             client_threads: var("RLSD_BENCH_CLIENT_THREADS", 2_usize).max(1),
             shared: var("RLSD_BENCH_SHARED", 0_u8) == 1,
             extra: var("RLSD_BENCH_EXTRA", 0_u8) == 1,
+            pool: var("RLSD_BENCH_POOL", 0_u8) == 1,
             tracing: var("RLSD_BENCH_TRACING", 0_u8) == 1,
             phases: var(
                 "RLSD_BENCH_PHASES",

@@ -136,7 +136,48 @@ pub(crate) fn peak_results(
             result: medians[v].clone(),
         });
     }
+    if let Some(floor) = names.iter().position(|server| *server == "floor") {
+        for (v, server) in names.iter().enumerate() {
+            if !uses_redis(server) && !matches!(*server, "baseline" | "floor") {
+                summary.push(floor_line(
+                    (phase, server, shape),
+                    &rounds[v],
+                    &rounds[floor],
+                ));
+            }
+        }
+    }
     medians
+}
+
+/// The distance to the floor (the do-nothing handler on rlsd's own stack): `server`'s CPU per
+/// request over the floor's, round by round (both ran seconds apart), the median and the range.
+pub(crate) fn floor_line(
+    (phase, server, shape): (&str, &str, Shape),
+    rounds: &[Phase],
+    floor: &[Phase],
+) -> String {
+    let cpu = |phase: &Phase| per_request(phase, phase.cpu.server);
+    let middle = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        (
+            values[values.len() / 2],
+            values[0],
+            values[values.len() - 1],
+        )
+    };
+    let ratios = rounds
+        .iter()
+        .zip(floor)
+        .map(|(round, floor)| cpu(round) / cpu(floor))
+        .collect();
+    let (ratio, low, high) = middle(ratios);
+    let (own, own_low, own_high) = middle(rounds.iter().map(cpu).collect());
+    let (base, base_low, base_high) = middle(floor.iter().map(cpu).collect());
+    format!(
+        "{server:<10} {:<15} {phase:<6} server CPU {own:.1} µs/req ({own_low:.1}-{own_high:.1}) = {ratio:.2}x the floor's {base:.1} µs/req ({base_low:.1}-{base_high:.1}) (rounds {low:.2}-{high:.2}x)",
+        shape.label(),
+    )
 }
 
 /// What `server`'s req/s is a ratio of, round by round: the Redis ceiling (`ceiling`, named)

@@ -35,10 +35,12 @@ use tonic::{Response, Status};
 use crate::CLIENTS;
 use crate::opts::Opts;
 use crate::phases::runtime;
+use crate::pooled::PooledStore;
 
 pub(crate) type Client = RateLimitServiceClient<Channel>;
 
-/// The do-nothing server: one OK per descriptor, nothing else.
+/// The do-nothing server: one OK per descriptor, nothing else. Served by tonic (`baseline`) and
+/// on rlsd's own stack (`floor`).
 pub(crate) struct Baseline;
 
 #[tonic::async_trait]
@@ -139,6 +141,45 @@ pub(crate) async fn start_redis_rlsd(
     );
     let config = bench_config(algorithm);
     let limiter = RateLimiter::new(Arc::clone(&config), store, ServiceSettings::default());
+    start_server(limiter, config, lanes).await
+}
+
+/// Serves `service` on rlsd's own gRPC stack (`server::serve_unary`: lanes, connections, codec)
+/// in the rate limiter's place, on `lanes` lanes.
+pub(crate) async fn start_unary<T: RateLimitService>(service: T, lanes: usize) -> SocketAddr {
+    let listener = TcpListener::bind(loopback()).await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        server::serve_unary(service, listener, lanes, std::future::pending())
+            .await
+            .expect("floor serves");
+    });
+    addr
+}
+
+/// rlsd on the bench's deadpool-redis store at `port` (see [`crate::pooled`]).
+pub(crate) async fn start_pooled_rlsd(
+    algorithm: &str,
+    port: u16,
+    max_batch: usize,
+    lanes: usize,
+) -> Served {
+    let store = PooledStore::new(
+        &format!("redis://127.0.0.1:{port}"),
+        Duration::from_secs(1),
+        max_batch,
+    );
+    println!(
+        "# pool{}: deadpool-redis, {} connections (its default size)",
+        if max_batch > 1 { "" } else { "-1" },
+        store.max_size()
+    );
+    let config = bench_config(algorithm);
+    let limiter = RateLimiter::new(
+        Arc::clone(&config),
+        Arc::new(store),
+        ServiceSettings::default(),
+    );
     start_server(limiter, config, lanes).await
 }
 
@@ -276,6 +317,13 @@ pub(crate) fn start_servers(
             "rlsd",
             server_handle.block_on(start_server(limiter, config, opts.lanes)),
         ),
+        (
+            "floor",
+            (
+                server_handle.block_on(start_unary(Baseline, opts.lanes)),
+                None,
+            ),
+        ),
     ];
     if let Some(redis) = redis {
         let (batch, pipelines) = (opts.max_batch, opts.pipelines);
@@ -289,6 +337,21 @@ pub(crate) fn start_servers(
             "redis-1",
             server_handle.block_on(start_redis_rlsd(algorithm, redis.port, 1, 1, opts.lanes)),
         ));
+        if opts.pool {
+            addrs.push((
+                "pool",
+                server_handle.block_on(start_pooled_rlsd(
+                    algorithm,
+                    redis.port,
+                    opts.max_batch,
+                    opts.lanes,
+                )),
+            ));
+            addrs.push((
+                "pool-1",
+                server_handle.block_on(start_pooled_rlsd(algorithm, redis.port, 1, opts.lanes)),
+            ));
+        }
     }
     if opts.extra {
         // rlsd's own answers, captured once, replayed by a server that does nothing else.

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use super::shed::{self, Registration};
 use super::unix::{self, UnixSocket};
 use super::{GrpcRoutes, connection, lanes};
-use crate::store::Store;
+use crate::pb::RateLimitService;
 use crate::tls::TlsSettings;
 
 /// An accepted connection, before any handshake.
@@ -38,11 +38,11 @@ pub(super) async fn next(listener: &TcpListener, unix: Option<&UnixSocket>) -> A
 }
 
 /// Serves `accepted` on the next lane, or in a task of this runtime without lanes.
-pub(super) fn dispatch<S: Store>(
+pub(super) fn dispatch<T: RateLimitService>(
     accepted: Accepted,
     lanes: Option<&lanes::Lanes>,
     tls: Option<Arc<TlsSettings>>,
-    routes: GrpcRoutes<S>,
+    routes: GrpcRoutes<T>,
     times: connection::Times,
     closing: watch::Receiver<bool>,
 ) {
@@ -79,11 +79,11 @@ pub(super) fn dispatch<S: Store>(
 }
 
 /// The TLS handshake when the TCP port has TLS, then the connection.
-async fn serve<S: Store>(
+async fn serve<T: RateLimitService>(
     accepted: Accepted,
     registration: Registration,
     tls: Option<Arc<TlsSettings>>,
-    routes: GrpcRoutes<S>,
+    routes: GrpcRoutes<T>,
     times: connection::Times,
     mut closing: watch::Receiver<bool>,
 ) {

@@ -29,7 +29,7 @@ use tonic::service::Routes;
 use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::health::Health;
-use crate::pb::RateLimitServiceServer;
+use crate::pb::{RateLimitService, RateLimitServiceServer};
 use crate::service::{Effect, RateLimiter};
 use crate::store::Store;
 use crate::tls::TlsSettings;
@@ -366,6 +366,53 @@ pub async fn run_with<S: Store>(
     Ok(())
 }
 
+/// Serves `service` in the rate limiter's place on rlsd's own gRPC stack (lanes, connections,
+/// body bounds, codec) with the default limits, health and no admin port, until `shutdown`.
+/// For the benches' do-nothing floor: what the stack costs without rlsd's work.
+///
+/// # Errors
+/// When the lanes cannot be started.
+#[doc(hidden)]
+pub async fn serve_unary<T: RateLimitService>(
+    service: T,
+    listener: TcpListener,
+    lanes: usize,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let (_, health_service) = tonic_health::server::health_reporter();
+    let limits = ConnectionLimits::default();
+    let bodies = body::BodyLimits::new(
+        limits.request_body_timeout,
+        limits.max_buffered_request_bytes,
+        limits.connection_body_reserve_bytes,
+    );
+    let routes = GrpcRoutes {
+        rate_limit: RateLimitServiceServer::new(service)
+            .max_decoding_message_size(crate::service::RequestLimits::DEFAULT_MAX_MESSAGE_BYTES),
+        others: Routes::new(health_service).prepare(),
+        bodies: body::BodyGuard::new(&bodies),
+    };
+    let lanes = match lanes {
+        0 => None,
+        count => Some(
+            lanes::Lanes::start(count, || async {})
+                .await
+                .map_err(ServerError::Lanes)?,
+        ),
+    };
+    serve_grpc(
+        routes,
+        (listener, None),
+        None,
+        lanes,
+        connection::Times::from(&limits),
+        shutdown,
+        DEFAULT_SHUTDOWN_GRACE,
+    )
+    .await;
+    Ok(())
+}
+
 /// gRPC health's one unary method; its `Watch` streams.
 const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
 
@@ -373,14 +420,14 @@ const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
 /// tonic's router, which boxes and matches every call. Unlike tonic's own server this does not
 /// cut a call off at its `grpc-timeout`: every store call has its own bound
 /// (`--redis-command-timeout-ms`), and a client past its deadline has stopped listening.
-struct GrpcRoutes<S: Store> {
-    rate_limit: RateLimitServiceServer<RateLimiter<S>>,
+struct GrpcRoutes<T: RateLimitService> {
+    rate_limit: RateLimitServiceServer<T>,
     others: Routes,
     /// Every request body is held to these (a clone is a handle for another connection).
     bodies: body::BodyGuard,
 }
 
-impl<S: Store> Clone for GrpcRoutes<S> {
+impl<T: RateLimitService> Clone for GrpcRoutes<T> {
     fn clone(&self) -> Self {
         GrpcRoutes {
             rate_limit: self.rate_limit.clone(),
@@ -390,7 +437,7 @@ impl<S: Store> Clone for GrpcRoutes<S> {
     }
 }
 
-impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes<S> {
+impl<T: RateLimitService> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes<T> {
     type Response = ::http::Response<Body>;
     type Error = Infallible;
     type Future = BoxFuture<::http::Response<Body>, Infallible>;
@@ -399,7 +446,7 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
         let path = request.uri().path();
         let rate_limit = path
             .strip_prefix('/')
-            .and_then(|path| path.strip_prefix(RateLimitServiceServer::<RateLimiter<S>>::NAME))
+            .and_then(|path| path.strip_prefix(RateLimitServiceServer::<T>::NAME))
             .is_some_and(|method| method.starts_with('/'));
         let shape = if rate_limit || path == HEALTH_CHECK_PATH {
             body::BodyShape::Unary
@@ -423,8 +470,8 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
 /// to `times`, until `signal`; then closes the listeners, shuts each connection down gracefully,
 /// and returns when the last one has ended or `grace` has passed, whichever is first. The lanes
 /// stop when this returns.
-async fn serve_grpc<S: Store>(
-    routes: GrpcRoutes<S>,
+async fn serve_grpc<T: RateLimitService>(
+    routes: GrpcRoutes<T>,
     (listener, unix): (TcpListener, Option<UnixSocket>),
     tls: Option<Arc<TlsSettings>>,
     lanes: Option<lanes::Lanes>,

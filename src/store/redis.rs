@@ -844,6 +844,19 @@ pub fn script_command(requests: &[&[Check]], fixed_clock: Option<&dyn Clock>) ->
     ScriptCall::new(fixed_clock, &requests).command
 }
 
+/// Each request's outcomes from the reply to the [`script_command`] for requests of `sizes`
+/// checks each, read as the store reads them (the bench's pooled store uses it).
+///
+/// # Errors
+/// When the reply is not the script's answer to such a call.
+#[doc(hidden)]
+pub fn script_outcomes(
+    reply: &[u8],
+    sizes: &[usize],
+) -> Result<Vec<Option<Vec<Outcome>>>, StoreError> {
+    split_reply(reply, sizes).map(|reply| reply.answers)
+}
+
 /// A script reply: the script's clock, and each request's outcomes (`None`: the script
 /// reached it after its deadline and wrote nothing).
 pub(super) struct ScriptReply {

@@ -236,3 +236,79 @@ fn the_stall_probe_sees_a_cpu_shared_with_a_busy_thread() {
         .unwrap_or_else(|| panic!("no cpu{shared_cpu} in {summary}"));
     assert!(shared.lost_share() > 0.3, "{summary}");
 }
+
+/// The bench's floor: a handler of its own served on rlsd's stack by `server::serve_unary`.
+struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+#[tonic::async_trait]
+impl rlsd::pb::RateLimitService for Counted {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<rlsd::pb::RateLimitRequest>,
+    ) -> Result<tonic::Response<rlsd::pb::RateLimitResponse>, tonic::Status> {
+        use rlsd::pb::rate_limit_response::DescriptorStatus;
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let status = DescriptorStatus {
+            code: Code::Ok.into(),
+            ..Default::default()
+        };
+        Ok(tonic::Response::new(rlsd::pb::RateLimitResponse {
+            overall_code: Code::Ok.into(),
+            statuses: vec![status; request.get_ref().descriptors.len()],
+            ..Default::default()
+        }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_unary_serves_another_handler_on_the_lanes_until_shutdown() {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(rlsd::server::serve_unary(
+        Counted(std::sync::Arc::clone(&calls)),
+        listener,
+        2,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let three = request(
+        "anything",
+        vec![
+            descriptor(&[("a", "1")]),
+            descriptor(&[("b", "2")]),
+            descriptor(&[("c", "3")]),
+        ],
+    );
+    let bodies = vec![h2load::grpc_body(&three)];
+    let (answers, unanswered) = tokio::task::spawn_blocking(move || {
+        let mut answers = Vec::new();
+        let run = rawh2::run(
+            addr,
+            &bodies,
+            &closed(2, 4, 0.2),
+            || (),
+            |done| answers.push(done.answer.map(|a| (a.overall_code, a.statuses.len()))),
+        )
+        .expect("the lean client runs");
+        (answers, run.unanswered)
+    })
+    .await
+    .expect("client thread");
+    assert_eq!(unanswered, 0);
+    assert!(!answers.is_empty());
+    for answer in &answers {
+        assert_eq!(answer.as_ref().ok(), Some(&(i32::from(Code::Ok), 3)));
+    }
+    // Every answer came from the handler (warm-up and in-flight calls add a few more).
+    assert!(calls.load(std::sync::atomic::Ordering::SeqCst) >= answers.len());
+    stop.send(()).expect("still serving");
+    served
+        .await
+        .expect("the server task")
+        .expect("serve_unary stops cleanly");
+}
