@@ -82,10 +82,12 @@ async fn call(
     script_outcomes(&reply, &sizes)
 }
 
-/// Takes a request, then whatever else queued meanwhile, and runs them as one call in a task of
-/// its own; the pool bounds the calls in flight.
+/// Takes a request, waits for a pooled connection, then takes whatever else queued meanwhile
+/// (as the store's batchers wait for a call slot), and runs them as one call in a task of its
+/// own; the pool bounds the calls in flight.
 async fn batches(pool: Pool, mut queue: mpsc::UnboundedReceiver<Job>, max_batch: usize) {
     while let Some(first) = queue.recv().await {
+        let connection = pool.get().await;
         let mut checks = first.checks.len();
         let mut jobs = vec![first];
         while jobs.len() < max_batch && checks < MAX_BATCH_CHECKS {
@@ -97,9 +99,6 @@ async fn batches(pool: Pool, mut queue: mpsc::UnboundedReceiver<Job>, max_batch:
                 Err(_) => break,
             }
         }
-        // Wait for a connection here, so that requests queue meanwhile and the next call
-        // carries them.
-        let connection = pool.get().await;
         tokio::spawn(async move {
             let requests: Vec<&[Check]> = jobs.iter().map(|job| job.checks.as_slice()).collect();
             let answers = match connection {
