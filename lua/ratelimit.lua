@@ -474,9 +474,13 @@ local function assess(c, mode, n, st, now)
     local allowed, remaining, reset, unconsumed, new, ttl = run(c, st, now, n, n, true)
     if n > c.capacity then
       local _, idle = run(c, st, now, 0, 0)
-      allowed, remaining, reset, unconsumed = false, idle, never_reset(c, now), idle
+      unconsumed = idle
+    elseif allowed then
+      return allowed, remaining, reset, unconsumed, new, ttl
     end
-    return allowed, remaining, reset, unconsumed, new, ttl
+    -- Recorded past the limit: it answers the state it leaves, as a check right after it would.
+    local _, _, next_reset = run(c, new or st, now, 1, 0)
+    return false, 0, next_reset, unconsumed, new, ttl
   end
   if n > c.capacity then
     local _, remaining = run(c, st, now, 0, 0)
