@@ -233,6 +233,9 @@ impl<S: Store> RateLimiter<S> {
     ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
             .inspect_err(|_| self.metrics.invalid_requests.inc())?;
+        if effect == Effect::Apply {
+            self.count_skipped(&request);
+        }
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let mut plan = engine::plan(&config, &request, &self.settings.keys);
@@ -270,6 +273,27 @@ impl<S: Store> RateLimiter<S> {
                 Ok(assemble(&request, &plan, &outcomes, &self.settings))
             }
             Err(error) => self.failure_answer(&plan, &error),
+        }
+    }
+
+    /// Counts the descriptors no configured limit can match for their shape (an entry with an
+    /// empty key, or no entries): answered OK without a limit, as envoyproxy/ratelimit does,
+    /// rather than refusing the whole call. An override still applies to them, as there.
+    fn count_skipped(&self, request: &engine::Request) {
+        for descriptor in &request.descriptors {
+            let reason = if descriptor.limit_override.is_some() {
+                continue;
+            } else if descriptor.entries.is_empty() {
+                "no_entries"
+            } else if descriptor.entries.iter().any(|(key, _)| key.is_empty()) {
+                "empty_key"
+            } else {
+                continue;
+            };
+            self.metrics
+                .descriptors_skipped
+                .with_label_values(&[reason])
+                .inc();
         }
     }
 
@@ -512,11 +536,6 @@ fn validate_descriptor(
     descriptor: pb::RateLimitDescriptor,
     limits: &RequestLimits,
 ) -> Result<Descriptor, Status> {
-    if descriptor.entries.is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "descriptor {index} has no entries"
-        )));
-    }
     if descriptor.entries.len() > limits.max_entries {
         return Err(Status::invalid_argument(format!(
             "descriptor {index} has {} entries; at most {} are allowed (--max-entries)",
@@ -537,11 +556,7 @@ fn validate_descriptor(
         .into_iter()
         .enumerate()
         .map(|(position, entry)| {
-            if entry.key.is_empty() {
-                Err(Status::invalid_argument(format!(
-                    "descriptor {index} entry {position} has an empty key"
-                )))
-            } else if entry.key.len() > limits.max_key_bytes {
+            if entry.key.len() > limits.max_key_bytes {
                 Err(Status::invalid_argument(format!(
                     "descriptor {index} entry {position} key is {} bytes; at most {} are allowed (--max-key-bytes)",
                     entry.key.len(),

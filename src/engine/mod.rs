@@ -22,7 +22,8 @@ pub struct LimitOverride {
     pub unit: Unit,
 }
 
-/// One request descriptor, validated: entries have non-empty keys.
+/// One request descriptor, validated (an entry's key may be empty, and entries may be none: no
+/// configured limit matches such a descriptor, but an override applies).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
     /// `(key, value)` entries in order.

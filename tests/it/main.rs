@@ -22,6 +22,7 @@ mod over_limit_cache;
 mod properties;
 mod ratelimit_env;
 mod redis;
+mod reference;
 mod reload;
 mod sentinel;
 mod simulate;

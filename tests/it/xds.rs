@@ -758,7 +758,7 @@ fn a_charge_past_a_limit_pushed_over_xds_is_recorded() {
             (OK, 1000),
             (OK, 200),
             (OK, 200),
-            (OVER_LIMIT, 200),
+            (OVER_LIMIT, 0),
             (OVER_LIMIT, 0)
         ]
     );
