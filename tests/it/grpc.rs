@@ -482,6 +482,37 @@ async fn headers_follow_the_most_restrictive_status() {
     }
 }
 
+/// `--limit-header`, `--remaining-header`, `--reset-header` (envoyproxy/ratelimit's
+/// `LIMIT_*_HEADER`) rename the three headers, in lower case as HTTP/2 sends them.
+#[tokio::test]
+async fn header_names_can_be_chosen() {
+    let settings = rlsd::service::ServiceSettings {
+        headers: HeaderStyle::Ratelimit,
+        header_names: rlsd::service::HeaderNames {
+            limit: Some(http::HeaderName::from_static("x-quota")),
+            remaining: Some(http::HeaderName::from_static("x-left")),
+            reset: None,
+        },
+        ..Default::default()
+    };
+    let server = TestServer::start_settings(LIMITS, settings, 100).await;
+    server.clock.set(T0 + 30_000_000);
+    let response = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
+    let names: Vec<&str> = response
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert_eq!(names, ["x-quota", "x-left", "ratelimit-reset"]);
+    assert_eq!(header(&response, "x-left"), Some("2"));
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_clients_on_one_key_get_exactly_the_limit() {
     const CONFIG: &str = "domain: c\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: hour\n      requests_per_unit: 1000\n";

@@ -221,6 +221,7 @@ fn key_inputs() -> impl Strategy<Value = (KeyParts, Limit)> {
 fn encode(parts: &KeyParts, limit: &Limit) -> String {
     let settings = KeySettings {
         prefix: parts.prefix.clone(),
+        ..KeySettings::default()
     };
     engine::key::encode(
         &settings,

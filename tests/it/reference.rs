@@ -167,6 +167,10 @@ descriptors:
   - key: w
     value: "ab*"
     rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: small
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: big
+    rate_limit: {unit: hour, requests_per_unit: 100}
 "#;
 
 /// rlsd on Redis and, when it is here, the reference, each serving [`LIMITS`] with
@@ -277,6 +281,69 @@ async fn an_empty_domain_or_descriptor_list_is_refused_by_both() {
                 Err(tonic::Code::Unknown)
             );
         }
+    }
+}
+
+/// `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true` is not rlsd's all or nothing: the reference
+/// still increments the key that goes over (only the request's other keys are spared), so hits
+/// of a denied request stay counted there; rlsd counts none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_cache_key_increment_still_counts_the_key_that_went_over() {
+    let (mut rlsd, _up, mut reference) =
+        both(&[("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "true")]).await;
+    let with_hits = |hits, descriptors| {
+        let mut req = request("probe", descriptors);
+        req.hits_addend = hits;
+        req
+    };
+    let pair = || vec![descriptor(&[("small", "s")]), descriptor(&[("big", "s")])];
+    let small = || request("probe", vec![descriptor(&[("small", "s")])]);
+    let big = || request("probe", vec![descriptor(&[("big", "s")])]);
+    // 8 of 10, then 5 more: denied by `small`, which rlsd leaves at 8 (2 remaining).
+    let first = with_hits(8, pair());
+    let second = with_hits(5, pair());
+    let ok_first = (Code::Ok, vec![(Code::Ok, 2, true), (Code::Ok, 92, true)]);
+    assert_eq!(
+        ask(&mut rlsd, first.clone()).await.map(|r| shape(&r)),
+        Ok(ok_first.clone())
+    );
+    assert_eq!(
+        ask(&mut rlsd, second.clone()).await.map(|r| shape(&r)),
+        Ok((
+            Code::OverLimit,
+            vec![(Code::OverLimit, 2, true), (Code::Ok, 92, true)]
+        ))
+    );
+    // `big` was spared; `small` kept its 8, so one more passes.
+    assert_eq!(
+        ask(&mut rlsd, big()).await.map(|r| shape(&r)),
+        Ok((Code::Ok, vec![(Code::Ok, 91, true)]))
+    );
+    assert_eq!(
+        ask(&mut rlsd, small()).await.map(|r| shape(&r)),
+        Ok((Code::Ok, vec![(Code::Ok, 1, true)])),
+        "rlsd counted none of the denied request's hits"
+    );
+    if let Some((reference, _)) = &mut reference {
+        assert_eq!(ask(reference, first).await.map(|r| shape(&r)), Ok(ok_first));
+        // `small` at 13 of 10 there.
+        assert_eq!(
+            ask(reference, second).await.map(|r| shape(&r)),
+            Ok((
+                Code::OverLimit,
+                vec![(Code::OverLimit, 0, true), (Code::Ok, 92, true)]
+            ))
+        );
+        assert_eq!(
+            ask(reference, big()).await.map(|r| shape(&r)),
+            Ok((Code::Ok, vec![(Code::Ok, 91, true)])),
+            "the reference spared `big` too"
+        );
+        assert_eq!(
+            ask(reference, small()).await.map(|r| shape(&r)),
+            Ok((Code::OverLimit, vec![(Code::OverLimit, 0, true)])),
+            "the reference counted the 5 hits on `small`, the key that went over"
+        );
     }
 }
 
