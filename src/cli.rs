@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use crate::engine::KeySettings;
 use crate::metrics::DEFAULT_NEAR_LIMIT_RATIO;
 use crate::server::{self, ConnectionLimits, ServeOptions};
-use crate::service::{FailureMode, HeaderStyle, RequestLimits, ServiceSettings};
+use crate::service::{FailureMode, HeaderNames, HeaderStyle, RequestLimits, ServiceSettings};
 use crate::store::memory::DEFAULT_MAX_KEYS;
 use crate::store::redis::SentinelTarget;
 use crate::store::{ClientIdentity, ClusterSettings, RedisSettings, StoreSettings};
@@ -277,6 +277,19 @@ pub struct ServeArgs {
     /// Rate limit headers added to responses.
     #[arg(long, env = "RLSD_HEADERS", value_enum, default_value_t = HeaderStyle::XRatelimit)]
     pub headers: HeaderStyle,
+    /// Name of the limit header instead of the style's (`LIMIT_LIMIT_HEADER`).
+    #[arg(long, env = "RLSD_LIMIT_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub limit_header: Option<http::HeaderName>,
+    /// Name of the remaining header instead of the style's (`LIMIT_REMAINING_HEADER`).
+    #[arg(long, env = "RLSD_REMAINING_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub remaining_header: Option<http::HeaderName>,
+    /// Name of the reset header instead of the style's (`LIMIT_RESET_HEADER`).
+    #[arg(long, env = "RLSD_RESET_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub reset_header: Option<http::HeaderName>,
+    /// Which hits are charges (recorded whatever the answer) for limits that do not say:
+    /// `descriptor_hits`, `always` (envoyproxy/ratelimit's counting, xDS limits too) or `never`.
+    #[arg(long, env = "RLSD_DEFAULT_CHARGE", value_name = "MODE", default_value = "descriptor_hits", value_parser = crate::limit::parse_charge)]
+    pub default_charge: crate::limit::Charge,
     /// Keep state in Redis (`redis://[user:pass@]host:port[/db]`, `rediss://` for TLS) instead
     /// of in process, so replicas share it. Set it in the environment rather than here: a
     /// command line is visible to every process on the host.
@@ -287,6 +300,11 @@ pub struct ServeArgs {
     /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
     #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
     pub redis_mode: RedisMode,
+    /// Most seconds added at random to the expiry of each Redis key a call writes, so the keys
+    /// of one window do not all expire at once (`EXPIRATION_JITTER_MAX_SECONDS`); answers and
+    /// reset times are unchanged. 0 (the default): none. At most one day.
+    #[arg(long, env = "RLSD_REDIS_EXPIRY_JITTER_SECONDS", value_name = "SECONDS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub redis_expiry_jitter_seconds: u64,
     /// Denials remembered in process: a request whose every limit is a denial known to hold
     /// until T is answered until T without a Redis round trip, exactly as Redis would (0: off).
     #[arg(long, env = "RLSD_OVER_LIMIT_CACHE", default_value_t = 100_000)]
@@ -557,6 +575,7 @@ impl ServeArgs {
             cluster.connect_timeout = connect_timeout;
             cluster.command_timeout = command_timeout;
             cluster.timeout_cap = timeout_cap;
+            cluster.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
             cluster.ca_file.clone_from(&self.redis_ca);
             cluster.client_identity = identity;
             return Ok(StoreSettings::Cluster(cluster));
@@ -565,6 +584,7 @@ impl ServeArgs {
         redis.connect_timeout = connect_timeout;
         redis.command_timeout = command_timeout;
         redis.timeout_cap = timeout_cap;
+        redis.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
         redis.max_batch = self.redis_max_batch.max(1);
         redis.pipelines = self.redis_pipelines.max(1);
         redis.ca_file.clone_from(&self.redis_ca);
@@ -587,8 +607,14 @@ impl ServeArgs {
         ServiceSettings {
             keys: KeySettings {
                 prefix: self.key_prefix.clone(),
+                default_charge: self.default_charge,
             },
             headers: self.headers,
+            header_names: HeaderNames {
+                limit: self.limit_header.clone(),
+                remaining: self.remaining_header.clone(),
+                reset: self.reset_header.clone(),
+            },
             failure_mode: self.failure_mode,
             shadow_mode: self.shadow_mode,
             quota_mode: self.quota_mode,
@@ -774,6 +800,12 @@ fn url_path(text: &str) -> Result<String, String> {
 }
 
 /// Parses file permissions in octal (`660`, `0600`).
+/// Parses a response header name; HTTP/2 sends names in lower case, so it is lowered.
+fn header_name(text: &str) -> Result<http::HeaderName, String> {
+    http::HeaderName::from_bytes(text.to_ascii_lowercase().as_bytes())
+        .map_err(|_| format!("not an HTTP header name: {text:?}"))
+}
+
 fn octal_mode(text: &str) -> Result<u32, String> {
     match u32::from_str_radix(text, 8) {
         Ok(mode) if mode <= 0o777 => Ok(mode),

@@ -88,6 +88,9 @@ pub struct Metrics {
     pub failure_mode_answers: IntCounterVec,
     /// Requests rejected as malformed.
     pub invalid_requests: IntCounter,
+    /// Descriptors answered OK without a limit for their shape (an empty key, no entries), by
+    /// reason.
+    pub descriptors_skipped: IntCounterVec,
     /// Config loads that succeeded.
     pub config_load_success: IntCounter,
     /// Config loads that failed (the previous config stays).
@@ -216,6 +219,12 @@ impl Metrics {
                 r,
                 "rlsd_invalid_requests_total",
                 "Requests rejected as INVALID_ARGUMENT",
+            ),
+            descriptors_skipped: counter_vec(
+                r,
+                "rlsd_descriptors_skipped_total",
+                "Descriptors answered OK without a limit for their shape, by reason (empty_key, no_entries)",
+                &["reason"],
             ),
             config_load_success: counter(
                 r,

@@ -64,6 +64,8 @@ pub struct ClusterSettings {
     pub ca_file: Option<std::path::PathBuf>,
     /// A certificate to present to the nodes (`tls-auth-clients yes`).
     pub client_identity: Option<ClientIdentity>,
+    /// Most random time added to the TTL of each key a call writes (0: none).
+    pub expiry_jitter: Duration,
 }
 
 impl ClusterSettings {
@@ -77,6 +79,7 @@ impl ClusterSettings {
             fixed_clock: None,
             ca_file: None,
             client_identity: None,
+            expiry_jitter: Duration::ZERO,
         }
     }
 }
@@ -102,6 +105,7 @@ struct Cluster {
     fixed_clock: Option<Arc<dyn Clock>>,
     /// The nodes' clock, as their replies teach it.
     clock: RedisClock,
+    expiry_jitter: Duration,
 }
 
 impl ClusterStore {
@@ -142,6 +146,7 @@ impl ClusterStore {
             clock: RedisClock::new(settings.fixed_clock.clone()),
             connect_timeout: settings.connect_timeout,
             fixed_clock: settings.fixed_clock,
+            expiry_jitter: settings.expiry_jitter,
         };
         Ok(ClusterStore {
             inner: Arc::new(inner),
@@ -208,7 +213,8 @@ impl Cluster {
             Call::Deciding | Call::Refunding => {
                 ScriptCall::new(self.fixed_clock.as_deref(), &requests)
             }
-        };
+        }
+        .with_expiry_jitter(self.expiry_jitter);
         let mut connection = ClusterConnection::clone(&self.connection.load());
         // Awaited up to the cap, past the caller's deadline: this runs in the request's own task
         // (see `decide_by`), which gives back what a late answer committed. Never retried after

@@ -10,7 +10,7 @@
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::AsyncConnectionConfig;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelServerType};
@@ -65,6 +65,9 @@ pub struct RedisSettings {
     pub client_identity: Option<ClientIdentity>,
     /// Find the master through Redis Sentinel instead of `url`, following failovers.
     pub sentinel: Option<SentinelTarget>,
+    /// Most random time added to the TTL of each key a call writes (0: none); answers never
+    /// see it (`EXPIRATION_JITTER_MAX_SECONDS`).
+    pub expiry_jitter: Duration,
     /// Serving lanes (`server::ServeOptions::lanes`) that each get a connection and batchers of
     /// their own, opened on the lane's thread before it serves; other threads share one. Not
     /// with Sentinel, whose one link follows failovers. A store with lanes serves one server:
@@ -95,6 +98,7 @@ impl RedisSettings {
             ca_file: None,
             client_identity: None,
             sentinel: None,
+            expiry_jitter: Duration::ZERO,
             lanes: 0,
         }
     }
@@ -228,6 +232,7 @@ struct RedisCaller {
     timeout_cap: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
     clock: Arc<RedisClock>,
+    expiry_jitter: Duration,
 }
 
 /// A multiplexed connection to `settings.url`, opened on first use and reopened after failures.
@@ -253,6 +258,7 @@ impl Lane {
             timeout_cap: settings.timeout_cap,
             fixed_clock: settings.fixed_clock.clone(),
             clock: Arc::clone(clock),
+            expiry_jitter: settings.expiry_jitter,
         });
         let queue = (settings.max_batch > 1).then(|| {
             let pipelines = settings.pipelines.max(1);
@@ -352,7 +358,7 @@ impl RedisStore {
     pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
         let link = match &settings.sentinel {
             Some(target) => Link::Sentinel(Arc::new(SentinelLink::new(target, &settings)?)),
-            None => Link::Direct(direct_connection(&settings)?),
+            None => Link::Direct(Box::new(DirectLink::new(&settings)?)),
         };
         if let Link::Sentinel(sentinel) = &link {
             sentinel.reconnect().await;
@@ -403,9 +409,14 @@ impl RedisStore {
         if let Some(lane) = slot.get() {
             return lane;
         }
-        match direct_connection(&self.settings) {
-            Ok(connection) => slot
-                .get_or_init(|| Lane::open(Link::Direct(connection), &self.settings, &self.clock)),
+        match DirectLink::new(&self.settings) {
+            Ok(connection) => slot.get_or_init(|| {
+                Lane::open(
+                    Link::Direct(Box::new(connection)),
+                    &self.settings,
+                    &self.clock,
+                )
+            }),
             Err(error) => {
                 // The shared lane was built from the same settings, so this is not expected.
                 tracing::warn!(%error, "redis: cannot open a lane's connection; sharing one");
@@ -425,9 +436,43 @@ struct Coalescer {
 /// How the store reaches its Redis.
 enum Link {
     /// One server at a known address; the connection manager reconnects by itself.
-    Direct(ConnectionManager),
+    Direct(Box<DirectLink>),
     /// The current master, as Sentinel names it.
     Sentinel(Arc<SentinelLink>),
+}
+
+/// One server at a known address, through a connection manager that reconnects after I/O
+/// failures by itself. A READONLY reply (the server was demoted to a replica, and Redis keeps
+/// its clients connected) replaces the manager, so the next call connects afresh and reaches
+/// whatever master the address now leads to (a DNS name or a proxy that followed a failover).
+struct DirectLink {
+    current: ArcSwap<ConnectionManager>,
+    settings: RedisSettings,
+}
+
+impl DirectLink {
+    fn new(settings: &RedisSettings) -> Result<DirectLink, StoreError> {
+        Ok(DirectLink {
+            current: ArcSwap::from_pointee(direct_connection(settings)?),
+            settings: settings.clone(),
+        })
+    }
+
+    /// Drops `used` for a fresh connection when `result` is a READONLY reply (once, however
+    /// many calls saw it on that connection).
+    fn after<T>(&self, used: &Arc<ConnectionManager>, result: &redis::RedisResult<T>) {
+        let Err(error) = result else { return };
+        if error.kind() != redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) {
+            return;
+        }
+        let Ok(fresh) = direct_connection(&self.settings) else {
+            return;
+        };
+        let previous = self.current.compare_and_swap(used, Arc::new(fresh));
+        if Arc::ptr_eq(&previous, used) {
+            tracing::warn!("redis answered READONLY (a replica now): reconnecting");
+        }
+    }
 }
 
 /// A connection to the master Sentinel points at, replaced after a failure: a master that died
@@ -495,9 +540,12 @@ impl SentinelLink {
 macro_rules! on_link {
     ($caller:expr, |$connection:ident| $call:expr) => {
         match &$caller.link {
-            Link::Direct(connection) => {
-                let mut $connection = connection.clone();
-                $call.await
+            Link::Direct(link) => {
+                let used = link.current.load_full();
+                let mut $connection = ConnectionManager::clone(&used);
+                let result = $call.await;
+                link.after(&used, &result);
+                result
             }
             Link::Sentinel(link) => match link.current.load_full() {
                 Some(connection) => {
@@ -629,7 +677,8 @@ impl RedisCaller {
             .zip(deadlines)
             .map(|(job, at)| (job.checks.as_slice(), at))
             .collect();
-        let call = ScriptCall::new(self.fixed_clock.as_deref(), &requests);
+        let call = ScriptCall::new(self.fixed_clock.as_deref(), &requests)
+            .with_expiry_jitter(self.expiry_jitter);
         Some((sent, call))
     }
 
@@ -729,6 +778,20 @@ impl ScriptCall {
         requests: &[(&[Check], Option<u64>)],
     ) -> ScriptCall {
         ScriptCall::build(fixed_clock, requests, true)
+    }
+
+    /// Adds a random 0..=`max` (whole milliseconds) to the TTL of every key the call writes;
+    /// nothing when `max` is zero.
+    pub(super) fn with_expiry_jitter(mut self, max: Duration) -> ScriptCall {
+        let max_ms = u64::try_from(max.as_millis()).unwrap_or(u64::MAX);
+        if max_ms > 0 {
+            // A fresh SipHash key per call (std seeds them randomly): random enough to spread
+            // expiries, without a crate.
+            use std::hash::{BuildHasher, Hasher};
+            let random = std::hash::RandomState::new().build_hasher().finish();
+            self.command.arg(random % max_ms.saturating_add(1));
+        }
+        self
     }
 
     fn build(

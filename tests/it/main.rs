@@ -23,6 +23,7 @@ mod properties;
 mod ratelimit_env;
 mod redis;
 mod reference_config;
+mod reference;
 mod reload;
 mod sentinel;
 mod simulate;
