@@ -344,6 +344,11 @@ pub struct ServeArgs {
     /// Longest wait for Redis, in milliseconds, whatever `grpc-timeout` a caller sent.
     #[arg(long, env = "RLSD_REDIS_TIMEOUT_CAP_MS", default_value_t = 1000)]
     pub redis_timeout_cap_ms: u64,
+    /// Most requests, per serving lane (per store on a Cluster), whose Redis calls are still
+    /// awaited after their callers stopped waiting, so that what a late reply committed is
+    /// given back; past it such a call is let go and what it commits stays counted.
+    #[arg(long, env = "RLSD_REDIS_MAX_LATE_REQUESTS", default_value_t = crate::store::deadline::DEFAULT_MAX_LATE_REQUESTS)]
+    pub redis_max_late_requests: usize,
     /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
     #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = crate::store::redis::DEFAULT_MAX_BATCH)]
     pub redis_max_batch: usize,
@@ -576,6 +581,7 @@ impl ServeArgs {
             cluster.command_timeout = command_timeout;
             cluster.timeout_cap = timeout_cap;
             cluster.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
+            cluster.max_late_requests = self.redis_max_late_requests;
             cluster.ca_file.clone_from(&self.redis_ca);
             cluster.client_identity = identity;
             return Ok(StoreSettings::Cluster(cluster));
@@ -585,6 +591,7 @@ impl ServeArgs {
         redis.command_timeout = command_timeout;
         redis.timeout_cap = timeout_cap;
         redis.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
+        redis.max_late_requests = self.redis_max_late_requests;
         redis.max_batch = self.redis_max_batch.max(1);
         redis.pipelines = self.redis_pipelines.max(1);
         redis.ca_file.clone_from(&self.redis_ca);

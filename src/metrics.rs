@@ -103,6 +103,10 @@ pub struct Metrics {
     pub memory_full_rejections: IntGauge,
     /// Requests denied by the local over-limit cache without a store round trip.
     pub over_limit_cache_hits: IntCounter,
+    /// Requests whose Redis calls are awaited after their callers stopped waiting.
+    pub redis_late_requests: IntGauge,
+    /// Requests whose Redis calls were let go past `--redis-max-late-requests` since start.
+    pub redis_late_requests_let_go: IntGauge,
 }
 
 fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -255,6 +259,16 @@ impl Metrics {
                 r,
                 "rlsd_over_limit_cache_hits_total",
                 "Requests denied from the local over-limit cache, without a store round trip",
+            ),
+            redis_late_requests: gauge(
+                r,
+                "rlsd_redis_late_requests",
+                "Requests whose Redis calls are awaited after their callers stopped waiting",
+            ),
+            redis_late_requests_let_go: gauge(
+                r,
+                "rlsd_redis_late_requests_let_go",
+                "Requests whose Redis calls were let go past --redis-max-late-requests (what they committed stays counted)",
             ),
             registry,
         }

@@ -671,9 +671,11 @@ struct Reported<'c> {
 /// limit, or under `--quota-mode` a descriptor no limit applies to, which envoyproxy/ratelimit
 /// counts as a quota with room), none of them denies and the store takes them as shadow checks.
 fn enforce(plan: &mut Plan<'_>, settings: &ServiceSettings) {
-    for check in &mut plan.checks {
-        check.shadow |= settings.shadow_mode;
-        check.quota_mode |= settings.quota_mode;
+    if settings.shadow_mode || settings.quota_mode {
+        for check in &mut plan.checks {
+            check.shadow |= settings.shadow_mode;
+            check.quota_mode |= settings.quota_mode;
+        }
     }
     let open_quota = quota_without_limit(plan, settings)
         || plan

@@ -873,3 +873,141 @@ async fn expiry_jitter_spreads_ttls_within_its_bound_and_changes_no_answer() {
         "{plain_ttl}"
     );
 }
+
+/// A one-hit check of a fixed window of `limit` a day on `key`, or a peek at it.
+fn day_check(key: &str, limit: u64, hits: rlsd::algorithm::Hits) -> rlsd::store::Check {
+    rlsd::store::Check {
+        key: key.to_owned(),
+        params: rlsd::algorithm::Params {
+            algorithm: Algorithm::FixedWindow,
+            limit,
+            period_us: 86_400_000_000,
+            burst: 0,
+        },
+        hits,
+        shadow: false,
+        quota_mode: false,
+    }
+}
+
+/// The store's late-call gauges as `/metrics` publishes them: requests awaited after their
+/// callers stopped waiting, and requests let go past the bound.
+fn late_gauges(store: &impl rlsd::store::Store) -> (i64, i64) {
+    let metrics = rlsd::metrics::Metrics::new(0.8);
+    store.report(&metrics);
+    (
+        metrics.redis_late_requests.get(),
+        metrics.redis_late_requests_let_go.get(),
+    )
+}
+
+/// Waits (up to 10 s, polling) until `done` holds; says whether it did.
+async fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        if Instant::now() > until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// A caller dropped while its call is in flight (its client cancelled) leaves nothing counted:
+/// the call is handed to the background, and what Redis committed once it ran is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_dropped_mid_call_has_what_the_call_committed_given_back() {
+    use rlsd::algorithm::Hits;
+    use rlsd::store::Store;
+    let redis = RedisServer::start();
+    let mut settings = RedisSettings::new(redis.url());
+    settings.timeout_cap = Duration::from_secs(10);
+    settings.max_batch = 1;
+    let store = Arc::new(RedisStore::connect(settings).await.expect("connect"));
+    let take = [day_check("dropped", 10, Hits::Take(1))];
+    let peek = [day_check("dropped", 10, Hits::Peek)];
+    let remaining = |answer: Result<Vec<rlsd::store::Outcome>, _>| {
+        answer.expect("answered")[0].verdict.remaining
+    };
+    let long = || Some(Instant::now() + Duration::from_secs(10));
+    assert_eq!(remaining(store.decide_by(&take, long()).await), 9);
+    signal_redis(&redis, "-STOP");
+    {
+        // Polled once at least, so its call is sent; then its caller goes away.
+        let call = store.decide_by(&take, long());
+        tokio::pin!(call);
+        let waited = tokio::time::timeout(Duration::from_millis(200), &mut call).await;
+        assert!(waited.is_err(), "no answer while Redis is stopped");
+    }
+    assert_eq!(late_gauges(&*store), (1, 0), "the call is awaited");
+    signal_redis(&redis, "-CONT");
+    // Redis runs it within its deadline, so it commits; the reply comes back to nobody.
+    assert!(
+        eventually(|| late_gauges(&*store).0 == 0).await,
+        "the late call's reply was read"
+    );
+    // The refund goes out right after the reply: one more round trip at most.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = remaining(store.decide_by(&peek, long()).await);
+        if left == 9 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the dropped caller's hit stayed counted: {left} left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// With Redis stopped, callers that run out of time leave their calls to the background only
+/// up to `max_late_requests`: the rest are let go and counted, and the bound holds however many
+/// give up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_late_bound_calls_are_let_go_and_counted() {
+    use rlsd::algorithm::Hits;
+    use rlsd::store::Store;
+    const BOUND: usize = 3;
+    const CALLERS: usize = 40;
+    let redis = RedisServer::start();
+    let mut settings = RedisSettings::new(redis.url());
+    settings.command_timeout = Duration::from_millis(100);
+    settings.timeout_cap = Duration::from_secs(30);
+    settings.max_late_requests = BOUND;
+    // Every request its own call, so each one that gives up is one late call.
+    settings.max_batch = 1;
+    let store = Arc::new(RedisStore::connect(settings).await.expect("connect"));
+    let take = [day_check("bounded", 1000, Hits::Take(1))];
+    assert!(store.decide_by(&take, None).await.is_ok());
+    signal_redis(&redis, "-STOP");
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            let take = take.clone();
+            tokio::spawn(async move { store.decide_by(&take, None).await })
+        })
+        .collect();
+    for caller in callers {
+        let answer = caller.await.expect("task");
+        assert!(
+            matches!(answer, Err(rlsd::store::StoreError::Timeout(_))),
+            "{answer:?}"
+        );
+    }
+    let (held, let_go) = late_gauges(&*store);
+    signal_redis(&redis, "-CONT");
+    assert_eq!(
+        (held, let_go),
+        (BOUND as i64, (CALLERS - BOUND) as i64),
+        "awaited up to the bound, the rest let go"
+    );
+    assert!(
+        eventually(|| late_gauges(&*store).0 == 0).await,
+        "the awaited calls' replies were read"
+    );
+    // Redis ran every call past its deadline: none of them counted.
+    let peek = [day_check("bounded", 1000, Hits::Peek)];
+    let outcomes = store.decide_by(&peek, None).await.expect("answered");
+    assert_eq!(outcomes[0].verdict.remaining, 999);
+}
