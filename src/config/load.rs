@@ -15,6 +15,8 @@ use crate::config::model::{Config, Domain, Level, Node, PlanTable, Policy, Wildc
 use crate::config::yaml::{self, Pos, Value};
 use crate::limit::{Algorithm, Charge, Limit, Period, Unit};
 
+mod rlqs;
+
 /// A node of the raw YAML tree (as opposed to a [`Node`] of the config tree).
 type YNode = yaml::Node;
 
@@ -304,6 +306,7 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
         layers: None,
         shares_thresholds: false,
         values_in_metrics: false,
+        quota: Default::default(),
     };
     let (domain, root, plans) = walker.file(&root);
     walker.check_replaces();
@@ -316,6 +319,7 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
             plans,
             shares_thresholds: walker.shares_thresholds,
             values_in_metrics: walker.values_in_metrics,
+            quota: std::mem::take(&mut walker.quota),
         }),
         _ => {
             errors.sort_by_key(|error| (error.line, error.column));
@@ -326,7 +330,7 @@ fn load_file_here(file: &str, text: &str) -> Loaded {
 }
 
 /// Keys allowed at the top of a file.
-const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors"];
+const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors", "quota_buckets"];
 /// The longest period a limit may have: ten years keeps every microsecond sum well inside what
 /// Lua's doubles (and so the Redis store) count exactly.
 const MAX_PERIOD_SECONDS: u64 = 10 * 365 * 86_400;
@@ -465,6 +469,8 @@ struct Walker<'a> {
     values_in_metrics: bool,
     /// `layers:` as declared; when given, every `layer:` must be one of them.
     layers: Option<Vec<String>>,
+    /// `quota_buckets:`, the Rate Limit Quota Service's rules.
+    quota: crate::rlqs::QuotaRules,
 }
 
 impl Walker<'_> {
@@ -606,6 +612,9 @@ impl Walker<'_> {
         if let Some((_, descriptors)) = fields.get("descriptors") {
             let parent = self.domain.clone();
             self.descriptors(descriptors, &parent, None, &mut level);
+        }
+        if let Some((_, quota)) = fields.get("quota_buckets") {
+            self.quota = self.quota_buckets(quota);
         }
         let plans = fields
             .get("plans")
