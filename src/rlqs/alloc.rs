@@ -63,20 +63,26 @@ pub struct Bucket {
     pub max_tokens: u32,
 }
 
-/// The token bucket for a share of `share` requests per second, for an Envoy reporting every
-/// `interval_seconds`: [`BURST_SHARE`] of one interval's worth as capacity (at least one
-/// token, or nothing passes), the rest as the rate, rounded down.
-pub fn bucket_for(share: f64, interval_seconds: f64) -> Bucket {
+/// Seconds of its share an Envoy's token bucket holds: its burst when the bucket is new or
+/// changed (Envoy starts it full), and the slack that lets requests arriving in clumps use the
+/// rate. At Envoy's 5 s interval it is [`BURST_SHARE`] of one interval's share.
+pub const BURST_SECONDS: f64 = 0.25;
+
+/// The token bucket for a share of `share` requests per second: [`BURST_SECONDS`] of it as
+/// capacity (at least two tokens, or a rate near the arrival rate loses half its requests to
+/// rounding), and the share less [`BURST_SHARE`] as the rate, rounded down, so that over one
+/// 5 s interval a fresh bucket admits no more than the share.
+pub fn bucket_for(share: f64) -> Bucket {
     let share = if share.is_finite() {
         share.max(0.0)
     } else {
         0.0
     };
     let rate = (share * (1.0 - BURST_SHARE)).floor();
-    let capacity = (share * BURST_SHARE * interval_seconds.max(1.0)).floor();
+    let capacity = (share * BURST_SECONDS).ceil();
     Bucket {
         tokens_per_fill: clamp_u32(rate),
-        max_tokens: clamp_u32(capacity).max(1),
+        max_tokens: clamp_u32(capacity).max(2),
     }
 }
 
@@ -131,22 +137,22 @@ mod tests {
 
     #[test]
     fn buckets_keep_their_burst_inside_the_share() {
-        let bucket = bucket_for(100.0, 5.0);
+        let bucket = bucket_for(100.0);
         assert_eq!(bucket.tokens_per_fill, 95);
         assert_eq!(bucket.max_tokens, 25);
         // A fresh bucket over one interval: its capacity plus its rate, within the share.
         assert!(f64::from(bucket.max_tokens) + 5.0 * f64::from(bucket.tokens_per_fill) <= 500.0);
-        assert_eq!(bucket_for(0.0, 5.0).max_tokens, 1);
-        assert_eq!(bucket_for(f64::NAN, 5.0).tokens_per_fill, 0);
+        assert_eq!(bucket_for(0.0).max_tokens, 2);
+        assert_eq!(bucket_for(f64::NAN).tokens_per_fill, 0);
     }
 
     #[test]
     fn small_moves_keep_the_held_bucket() {
-        let held = bucket_for(100.0, 5.0);
-        assert!(keep(held, bucket_for(104.0, 5.0)));
-        assert!(keep(held, bucket_for(99.0, 5.0)));
-        assert!(!keep(held, bucket_for(120.0, 5.0)));
-        assert!(!keep(held, bucket_for(90.0, 5.0)));
+        let held = bucket_for(100.0);
+        assert!(keep(held, bucket_for(104.0)));
+        assert!(keep(held, bucket_for(99.0)));
+        assert!(!keep(held, bucket_for(120.0)));
+        assert!(!keep(held, bucket_for(90.0)));
     }
 
     proptest! {
@@ -171,7 +177,7 @@ mod tests {
                 }
             }
             // Buckets from shares never sum to more than the limit per second.
-            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s, 5.0).tokens_per_fill)).sum();
+            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s).tokens_per_fill)).sum();
             prop_assert!(rates as f64 <= limit + 1e-6);
         }
     }

@@ -71,11 +71,19 @@ impl Default for RlqsSettings {
 /// Assignments last this many report intervals, so one late or lost report does not let a
 /// bucket fall back.
 const TTL_INTERVALS: f64 = 3.0;
+/// The shortest TTL of a real assignment: what lets Envoys ride out a restart of rlsd (or a
+/// move to another replica) on their shares, rather than fall back. Shares are sent again at
+/// every report, so a long TTL delays nothing.
+const MIN_TTL_SECONDS: f64 = 20.0;
 /// An Envoy's demand is forgotten (its share reclaimed) after this many intervals unreported.
 const DEPARTED_INTERVALS: f64 = 2.5;
 /// Reports closer together than this are summed with the next one before a rate is taken:
 /// a bucket's first periodic report can come right after its initial one.
 const MIN_RATE_WINDOW: Duration = Duration::from_millis(500);
+/// Intervals a reconnected bucket waits at least for its peers (see [`Held::quiet`]).
+const QUIET_INTERVALS: u32 = 2;
+/// Intervals it waits at most: well inside [`MIN_TTL_SECONDS`] at Envoy's 5 s.
+const MAX_QUIET_INTERVALS: u32 = 3;
 /// The TTL of a failure-mode assignment, in intervals: short, so the real one returns soon.
 const FAILURE_TTL_INTERVALS: f64 = 2.0;
 
@@ -212,6 +220,21 @@ struct Held {
     on_board: bool,
     /// The last assignment sent.
     sent: Option<Sent>,
+    /// While nothing is assigned: a bucket first seen in a periodic report comes from an
+    /// Envoy that held it before (rlsd restarted, or its stream moved here), which keeps its
+    /// assignment until the TTL while its peers reconnect. Assigning before they are on the
+    /// board would hand the first one back the whole limit.
+    quiet: Option<Quiet>,
+}
+
+/// A reconnected bucket's wait for its peers: at least [`QUIET_INTERVALS`] from first sight,
+/// and until the peers on the board stopped growing for one interval, at most
+/// [`MAX_QUIET_INTERVALS`].
+#[derive(Clone, Copy)]
+struct Quiet {
+    since: Instant,
+    peers: usize,
+    peers_changed: Instant,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -430,6 +453,18 @@ impl StreamState {
                 idle_since: None,
                 on_board: false,
                 sent: None,
+                // Envoy's report of a bucket it just created holds that bucket alone, 1/0 or
+                // 0/1, with time_elapsed 0; anything else is a bucket it held before.
+                quiet: (report.bucket_quota_usages.len() > 1
+                    || count != 1
+                    || usage
+                        .time_elapsed
+                        .is_some_and(|elapsed| elapsed.seconds > 0 || elapsed.nanos > 0))
+                .then_some(Quiet {
+                    since: now,
+                    peers: 0,
+                    peers_changed: now,
+                }),
             });
             held.observe(now, count);
             if count == 0 {
@@ -456,11 +491,11 @@ impl StreamState {
                 }
                 Some(Quota::Unlimited) => {
                     held.sent = Some(Sent::AllowAll);
-                    actions.push(held.action(Sent::AllowAll, TTL_INTERVALS));
+                    actions.push(held.action(Sent::AllowAll, TTL_INTERVALS, MIN_TTL_SECONDS));
                 }
                 Some(Quota::Zero) => {
                     held.sent = Some(Sent::DenyAll);
-                    actions.push(held.action(Sent::DenyAll, TTL_INTERVALS));
+                    actions.push(held.action(Sent::DenyAll, TTL_INTERVALS, MIN_TTL_SECONDS));
                 }
                 Some(Quota::PerSecond(limit)) => splits.push(Split { key, limit }),
             }
@@ -498,6 +533,23 @@ impl StreamState {
             let Some(held) = self.buckets.get_mut(&split.key) else {
                 continue;
             };
+            if let Some(quiet) = &mut held.quiet {
+                let interval = settings.report_interval;
+                if let Ok(live) = &answer
+                    && live.len() > quiet.peers
+                {
+                    quiet.peers = live.len();
+                    quiet.peers_changed = now;
+                }
+                let waited = now.duration_since(quiet.since);
+                let settled = waited >= QUIET_INTERVALS * interval
+                    && now.duration_since(quiet.peers_changed) >= interval;
+                if !settled && waited < MAX_QUIET_INTERVALS * interval {
+                    held.on_board = answer.is_ok();
+                    continue;
+                }
+            }
+            held.quiet = None;
             match answer {
                 Ok(live) => {
                     held.on_board = true;
@@ -507,14 +559,14 @@ impl StreamState {
                         .iter()
                         .position(|d| d.member == self.id)
                         .map_or(split.limit / (live.len() + 1) as f64, |at| shares[at]);
-                    let mut bucket = alloc::bucket_for(own, held.interval);
+                    let mut bucket = alloc::bucket_for(own);
                     if let Some(Sent::Bucket(old)) = held.sent
                         && alloc::keep(old, bucket)
                     {
                         bucket = old;
                     }
                     held.sent = Some(Sent::Bucket(bucket));
-                    actions.push(held.action(Sent::Bucket(bucket), TTL_INTERVALS));
+                    actions.push(held.action(Sent::Bucket(bucket), TTL_INTERVALS, MIN_TTL_SECONDS));
                     let labels = [domain, held.label.as_str()];
                     let metrics = &shared.metrics;
                     metrics
@@ -544,11 +596,11 @@ impl StreamState {
                         FailureMode::Error => {}
                         FailureMode::Allow => {
                             held.sent = Some(Sent::AllowAll);
-                            actions.push(held.action(Sent::AllowAll, FAILURE_TTL_INTERVALS));
+                            actions.push(held.action(Sent::AllowAll, FAILURE_TTL_INTERVALS, 0.0));
                         }
                         FailureMode::Deny => {
                             held.sent = Some(Sent::DenyAll);
-                            actions.push(held.action(Sent::DenyAll, FAILURE_TTL_INTERVALS));
+                            actions.push(held.action(Sent::DenyAll, FAILURE_TTL_INTERVALS, 0.0));
                         }
                     }
                 }
@@ -598,9 +650,10 @@ impl Held {
         }
     }
 
-    /// The action that tells Envoy `sent`, for `intervals` report intervals.
-    fn action(&self, sent: Sent, intervals: f64) -> BucketAction {
-        let ttl = (intervals * self.interval).ceil().max(2.0) as i64;
+    /// The action that tells Envoy `sent`, for `intervals` report intervals and at least
+    /// `min_seconds`.
+    fn action(&self, sent: Sent, intervals: f64, min_seconds: f64) -> BucketAction {
+        let ttl = (intervals * self.interval).ceil().max(min_seconds).max(2.0) as i64;
         let strategy = match sent {
             Sent::AllowAll => rate_limit_strategy::Strategy::BlanketRule(
                 rate_limit_strategy::BlanketRule::AllowAll as i32,

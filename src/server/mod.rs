@@ -454,6 +454,19 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
     type Future = BoxFuture<::http::Response<Body>, Infallible>;
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
+        let path = request.uri().path();
+        let quota = self.quota.as_ref().filter(|_| {
+            path.strip_prefix('/')
+                .and_then(|path| {
+                    path.strip_prefix(RateLimitQuotaServiceServer::<QuotaService>::NAME)
+                })
+                .is_some_and(|method| method.starts_with('/'))
+        });
+        if let Some(quota) = quota {
+            // A quota stream's body lasts as long as the stream: not held to the body deadline
+            // and budget, but to the quota service's own bounds (message size, first report).
+            return quota.clone().call(request.map(Body::new));
+        }
         let request = request.map(|body| self.bodies.guard(body));
         let path = request.uri().path();
         let rate_limit = path
@@ -462,17 +475,8 @@ impl<S: Store> hyper::service::Service<::http::Request<Incoming>> for GrpcRoutes
             .is_some_and(|method| method.starts_with('/'));
         // Both services are always ready (tonic's generated servers and router say so), so
         // `call` needs no `poll_ready` first.
-        let quota = self.quota.as_ref().filter(|_| {
-            path.strip_prefix('/')
-                .and_then(|path| {
-                    path.strip_prefix(RateLimitQuotaServiceServer::<QuotaService>::NAME)
-                })
-                .is_some_and(|method| method.starts_with('/'))
-        });
         if rate_limit {
             self.rate_limit.clone().call(request.map(Body::new))
-        } else if let Some(quota) = quota {
-            quota.clone().call(request.map(Body::new))
         } else {
             let mut others = self.others.clone();
             Box::pin(others.call(request))

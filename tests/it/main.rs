@@ -23,6 +23,7 @@ mod properties;
 mod ratelimit_env;
 mod redis;
 mod reload;
+mod rlqs;
 mod sentinel;
 mod simulate;
 mod three_layer;
