@@ -801,3 +801,124 @@ async fn no_rlqs_turns_the_service_off() {
         .expect_err("off");
     assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
 }
+
+/// The token bucket rate an Envoy holds for `bucket`, if it holds one.
+fn per_fill(envoy: &Envoy, bucket: &str) -> Option<u32> {
+    match envoy
+        .state
+        .lock()
+        .expect("state")
+        .buckets
+        .get(bucket)?
+        .assignment
+    {
+        Some(Assignment::Tokens { per_fill, .. }) => Some(per_fill),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_assignments_at_the_next_report_without_dropping_streams() {
+    let (rlsd, dir) = start(&["--reload-interval-ms".to_owned(), "200".to_owned()]);
+    let envoy = Envoy::start(rlsd.grpc, "web", &[("shared", 3.0 * LIMIT)]);
+    tokio::time::sleep(INTERVAL * 3).await;
+    assert_eq!(per_fill(&envoy, "shared"), Some(190));
+    let halved = config().replace("requests_per_unit: 200}", "requests_per_unit: 100}");
+    assert_ne!(halved, config());
+    std::fs::write(dir.path().join("web.yaml"), halved).expect("write");
+    tokio::time::sleep(INTERVAL * 3).await;
+    assert_eq!(per_fill(&envoy, "shared"), Some(95));
+    let errors = envoy.state.lock().expect("state").errors.clone();
+    assert!(errors.is_empty(), "a stream was dropped: {errors:?}");
+    envoy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_store_down_the_failure_mode_decides_what_envoys_are_told() {
+    for mode in ["deny", "allow", "error"] {
+        let mut redis = RedisServer::start();
+        let (rlsd, _dir) = start(&[
+            "--redis-url".to_owned(),
+            redis.url(),
+            "--failure-mode".to_owned(),
+            mode.to_owned(),
+        ]);
+        let envoy = Envoy::start(rlsd.grpc, "web", &[("shared", 50.0)]);
+        tokio::time::sleep(INTERVAL * 3).await;
+        assert!(
+            per_fill(&envoy, "shared").is_some(),
+            "{mode}: no token bucket"
+        );
+        redis.kill();
+        tokio::time::sleep(INTERVAL * 4).await;
+        let held = envoy.state.lock().expect("state").buckets["shared"].assignment;
+        match mode {
+            "deny" => assert_eq!(held, Some(Assignment::DenyAll), "{mode}"),
+            "allow" => assert_eq!(held, Some(Assignment::AllowAll), "{mode}"),
+            // Nothing sent: the held bucket stays until its TTL.
+            _ => assert!(
+                matches!(held, Some(Assignment::Tokens { .. })),
+                "{mode}: {held:?}"
+            ),
+        }
+        let (_, metrics) = common::http_get(rlsd.http, "/metrics").await;
+        assert!(
+            metrics.contains(&format!(
+                "rlsd_rlqs_failure_mode_answers_total{{mode=\"{mode}\"}}"
+            )),
+            "{mode}"
+        );
+        envoy.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn served_on_the_unix_socket_and_listed_by_grpc_health() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let sockets = tempfile::tempdir().expect("tempdir");
+    let socket = sockets.path().join("rlsd.sock");
+    let (rlsd, _dir) = start(&[
+        "--grpc-unix-socket".to_owned(),
+        socket.display().to_string(),
+    ]);
+    let channel = tonic::transport::Endpoint::from_static("http://rlsd.local")
+        .connect_with_connector(crate::unix_socket::UnixConnector(Arc::new(socket)))
+        .await
+        .expect("connect over the unix socket");
+    let mut client = RateLimitQuotaServiceClient::new(channel);
+    let (sender, receiver) = mpsc::channel(1);
+    let mut answers = client
+        .stream_rate_limit_quotas(ReceiverStream::new(receiver))
+        .await
+        .expect("opened")
+        .into_inner();
+    sender
+        .send(reports("web", vec![usage("shared", 1, 0)]))
+        .await
+        .expect("send");
+    let answer = answers.message().await.expect("answer").expect("one");
+    assert!(matches!(
+        answer.bucket_action[0].bucket_action,
+        Some(Action::QuotaAssignmentAction(_))
+    ));
+    let mut health = HealthClient::new(
+        tonic::transport::Channel::from_shared(format!("http://{}", rlsd.grpc))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect"),
+    );
+    let status = health
+        .check(HealthCheckRequest {
+            service: "envoy.service.rate_limit_quota.v3.RateLimitQuotaService".to_owned(),
+        })
+        .await
+        .expect("known to health")
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+}
