@@ -922,3 +922,84 @@ async fn served_on_the_unix_socket_and_listed_by_grpc_health() {
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
 }
+
+#[tokio::test]
+async fn bucket_id_report_and_stream_bounds_end_only_the_stream_over_them() {
+    let (rlsd, _dir) = start(&[
+        "--rlqs-max-bucket-entries".to_owned(),
+        "2".to_owned(),
+        "--rlqs-max-bucket-bytes".to_owned(),
+        "64".to_owned(),
+        "--rlqs-max-report-bytes".to_owned(),
+        "2048".to_owned(),
+        "--rlqs-max-streams".to_owned(),
+        "1".to_owned(),
+    ]);
+    let addr = rlsd.grpc;
+    let id = |pairs: &[(&str, String)]| BucketQuotaUsage {
+        bucket_id: Some(BucketId {
+            bucket: pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .collect(),
+        }),
+        ..usage("x", 1, 0)
+    };
+    let cases: Vec<(&str, Vec<BucketQuotaUsage>, tonic::Code, &str)> = vec![
+        (
+            "three entries",
+            vec![id(&[
+                ("a", "1".into()),
+                ("b", "2".into()),
+                ("c", "3".into()),
+            ])],
+            tonic::Code::InvalidArgument,
+            "entries",
+        ),
+        (
+            "a long value",
+            vec![id(&[("name", "v".repeat(100))])],
+            tonic::Code::InvalidArgument,
+            "bytes",
+        ),
+        (
+            "a large report",
+            (0..100)
+                .map(|i| usage(&format!("bucket-{i:04}"), 1, 1))
+                .collect(),
+            tonic::Code::OutOfRange,
+            "",
+        ),
+    ];
+    for (what, usages, code, says) in cases {
+        let status = raw(addr, vec![reports("web", usages)])
+            .await
+            .expect_err(what);
+        assert_eq!(status.code(), code, "{what}: {status:?}");
+        assert!(status.message().contains(says), "{what}: {status:?}");
+    }
+    // One stream at a time: a second is refused while the first is open.
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    let (first, receiver) = mpsc::channel(1);
+    let mut answers = client
+        .stream_rate_limit_quotas(ReceiverStream::new(receiver))
+        .await
+        .expect("the first stream")
+        .into_inner();
+    first
+        .send(reports("web", vec![usage("shared", 1, 0)]))
+        .await
+        .expect("send");
+    answers.message().await.expect("answer").expect("one");
+    let refused = raw(addr, vec![reports("web", vec![usage("shared", 1, 0)])])
+        .await
+        .expect_err("over --rlqs-max-streams");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    drop(first);
+}
