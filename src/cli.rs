@@ -10,7 +10,8 @@ use clap::{Parser, Subcommand};
 
 use crate::engine::KeySettings;
 use crate::metrics::DEFAULT_NEAR_LIMIT_RATIO;
-use crate::server::{self, ConnectionLimits, ServeOptions};
+use crate::rlqs::RlqsSettings;
+use crate::server::{self, ConnectionLimits, RlqsOptions, ServeOptions};
 use crate::service::{FailureMode, HeaderNames, HeaderStyle, RequestLimits, ServiceSettings};
 use crate::store::memory::DEFAULT_MAX_KEYS;
 use crate::store::redis::SentinelTarget;
@@ -487,6 +488,39 @@ pub struct ServeArgs {
         value_parser = at_least_one
     )]
     pub max_message_bytes: usize,
+    /// Do not serve Envoy's Rate Limit Quota Service (`StreamRateLimitQuotas`), on by default
+    /// on the same gRPC listeners as `ShouldRateLimit` (see docs/rlqs.md).
+    #[arg(long, env = "RLSD_NO_RLQS")]
+    pub no_rlqs: bool,
+    /// RLQS: the report interval assumed for a bucket until its own is measured (Envoy's is
+    /// 5 s), in milliseconds; TTLs are three intervals, departed Envoys are forgotten after 2.5.
+    #[arg(long, env = "RLSD_RLQS_REPORT_INTERVAL_MS", default_value_t = 5000, value_parser = at_least_one_ms)]
+    pub rlqs_report_interval_ms: u64,
+    /// RLQS: a bucket an Envoy reports as 0 allowed / 0 denied for this long is abandoned, in
+    /// milliseconds.
+    #[arg(long, env = "RLSD_RLQS_IDLE_AFTER_MS", default_value_t = 60_000, value_parser = at_least_one_ms)]
+    pub rlqs_idle_after_ms: u64,
+    /// RLQS: most buckets one stream may report; a report beyond it ends the stream with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKETS_PER_STREAM", default_value_t = 1_000, value_parser = at_least_one)]
+    pub rlqs_max_buckets_per_stream: usize,
+    /// RLQS: most streams open at once on this server; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "RLSD_RLQS_MAX_STREAMS", default_value_t = 10_000, value_parser = at_least_one)]
+    pub rlqs_max_streams: usize,
+    /// RLQS: most entries in one bucket id; more ends the stream with INVALID_ARGUMENT.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKET_ENTRIES", default_value_t = 16, value_parser = at_least_one)]
+    pub rlqs_max_bucket_entries: usize,
+    /// RLQS: most bytes of one bucket id's keys and values (and of the domain); more ends the
+    /// stream with INVALID_ARGUMENT.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKET_BYTES", default_value_t = 1_024, value_parser = at_least_one)]
+    pub rlqs_max_bucket_bytes: usize,
+    /// RLQS: largest report message, in bytes; larger ends the stream with OUT_OF_RANGE.
+    #[arg(long, env = "RLSD_RLQS_MAX_REPORT_BYTES", default_value_t = 1 << 20, value_parser = at_least_one)]
+    pub rlqs_max_report_bytes: usize,
+    /// RLQS: a stream that sends no report this long after it opens is ended, in milliseconds
+    /// (Envoy opens it with its first bucket's report).
+    #[arg(long, env = "RLSD_RLQS_FIRST_REPORT_TIMEOUT_MS", default_value_t = 10_000, value_parser = at_least_one_ms)]
+    pub rlqs_first_report_timeout_ms: u64,
 }
 
 impl Cli {
@@ -725,6 +759,20 @@ impl ServeArgs {
                 )?,
                 http_header_timeout: Duration::from_millis(self.http_header_timeout_ms),
             },
+            rlqs: (!self.no_rlqs).then(|| RlqsOptions {
+                settings: RlqsSettings {
+                    report_interval: Duration::from_millis(self.rlqs_report_interval_ms),
+                    idle_after: Duration::from_millis(self.rlqs_idle_after_ms),
+                    max_buckets_per_stream: self.rlqs_max_buckets_per_stream,
+                    max_streams: self.rlqs_max_streams,
+                    max_bucket_entries: self.rlqs_max_bucket_entries,
+                    max_bucket_bytes: self.rlqs_max_bucket_bytes,
+                    max_report_bytes: self.rlqs_max_report_bytes,
+                    first_report_timeout: Duration::from_millis(self.rlqs_first_report_timeout_ms),
+                    failure_mode: self.failure_mode,
+                },
+                ..RlqsOptions::default()
+            }),
         })
     }
 

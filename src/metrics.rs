@@ -328,6 +328,11 @@ impl Metrics {
             .observe(took.as_secs_f64() * self.latency_unit.per_second());
     }
 
+    /// The registry, for metrics of other modules (the quota service's) to join.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = Vec::new();

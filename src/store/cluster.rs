@@ -162,6 +162,34 @@ impl ClusterStore {
     }
 }
 
+impl ClusterStore {
+    /// Runs another script (the quota service's) on the node of its key within the command
+    /// timeout; redis-rs sends EVALSHA and reloads the script on NOSCRIPT.
+    ///
+    /// # Errors
+    /// When the cluster cannot be reached, refuses the script or does not answer in time.
+    pub async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let inner = &self.inner;
+        let mut connection = ClusterConnection::clone(&inner.connection.load());
+        match tokio::time::timeout(
+            inner.timeout_cap,
+            invocation.invoke_async::<T>(&mut connection),
+        )
+        .await
+        {
+            Err(_) => Err(StoreError::Timeout(inner.timeout_cap)),
+            Ok(Err(error)) => {
+                inner.rebuild_connection();
+                Err(StoreError::Unavailable(error.to_string()))
+            }
+            Ok(Ok(value)) => Ok(value),
+        }
+    }
+}
+
 impl Cluster {
     /// Rebuilds the connection in the background (one rebuild at a time, at most one a
     /// second), so a failover is followed even when no MOVED reply ever comes back.

@@ -1053,6 +1053,28 @@ impl ScriptCall {
     }
 }
 
+impl RedisStore {
+    /// Runs another script (the quota service's) on the shared connection within the command
+    /// timeout; redis-rs sends EVALSHA and reloads the script on NOSCRIPT.
+    ///
+    /// # Errors
+    /// When Redis cannot be reached, refuses the script or does not answer in time.
+    pub async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let caller = &self.shared.caller;
+        let call = async {
+            on_link!(caller, |connection| invocation
+                .invoke_async::<T>(&mut connection))
+        };
+        tokio::time::timeout(caller.timeout_cap, call)
+            .await
+            .map_err(|_| StoreError::Timeout(caller.timeout_cap))?
+            .map_err(|error| StoreError::Unavailable(error.to_string()))
+    }
+}
+
 /// The EVALSHA that decides `requests`, exactly as the store sends it: on Redis's clock, or at
 /// `fixed_clock`'s time as in tests (the bench tool replays it with `redis-benchmark` as the
 /// one-call-per-request ceiling).

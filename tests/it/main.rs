@@ -25,6 +25,7 @@ mod redis;
 mod reference;
 mod reference_config;
 mod reload;
+mod rlqs;
 mod sentinel;
 mod simulate;
 mod three_layer;
