@@ -57,8 +57,11 @@ pub fn max_min_shares(limit: f64, demands: &[f64]) -> Vec<f64> {
 /// fixed at one: Envoy ignores a change of seconds alone), at most `max_tokens` held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Bucket {
-    /// Tokens added each second.
+    /// Tokens added each `fill_seconds`.
     pub tokens_per_fill: u32,
+    /// Envoy's `fill_interval`, whole seconds: fixed for a limit (Envoy ignores a change of the
+    /// seconds alone), long enough that a small limit still splits into whole tokens.
+    pub fill_seconds: u32,
     /// Capacity, and the burst a new bucket starts with.
     pub max_tokens: u32,
 }
@@ -72,18 +75,35 @@ pub const BURST_SECONDS: f64 = 0.25;
 /// capacity (at least two tokens, or a rate near the arrival rate loses half its requests to
 /// rounding), and the share less [`BURST_SHARE`] as the rate, rounded down, so that over one
 /// 5 s interval a fresh bucket admits no more than the share.
-pub fn bucket_for(share: f64) -> Bucket {
+pub fn bucket_for(share: f64, fill_seconds: u32) -> Bucket {
     let share = if share.is_finite() {
         share.max(0.0)
     } else {
         0.0
     };
-    let rate = (share * (1.0 - BURST_SHARE)).floor();
+    let fill_seconds = fill_seconds.max(1);
+    let rate = (share * (1.0 - BURST_SHARE) * f64::from(fill_seconds)).floor();
     let capacity = (share * BURST_SECONDS).ceil();
     Bucket {
         tokens_per_fill: clamp_u32(rate),
+        fill_seconds,
         max_tokens: clamp_u32(capacity).max(2),
     }
+}
+
+/// Tokens a whole limit refills with per fill interval, at least: with fewer, shares of a small
+/// limit round down to nothing (60 a minute over four Envoys is 0.25 a second each).
+const FILL_TOKENS: f64 = 100.0;
+/// The longest fill interval: Envoy's refill is continuous, so a long one only sets the grain.
+const MAX_FILL_SECONDS: f64 = 3600.0;
+
+/// The fill interval, in whole seconds, for every token bucket of a limit of `limit` requests
+/// per second: 1 s from 100 a second up, longer below, up to an hour.
+pub fn fill_seconds_for(limit: f64) -> u32 {
+    if !(limit.is_finite() && limit > 0.0) {
+        return 1;
+    }
+    clamp_u32((FILL_TOKENS / limit).ceil().clamp(1.0, MAX_FILL_SECONDS))
 }
 
 /// Whether an Envoy holding `held` should keep it rather than be sent `new`: the rates are
@@ -94,7 +114,8 @@ pub fn keep(held: Bucket, new: Bucket) -> bool {
         f64::from(new.tokens_per_fill),
     );
     held == new
-        || (held_rate >= new_rate * (1.0 - KEEP_BELOW)
+        || (held.fill_seconds == new.fill_seconds
+            && held_rate >= new_rate * (1.0 - KEEP_BELOW)
             && held_rate <= new_rate * (1.0 + KEEP_ABOVE))
 }
 
@@ -137,22 +158,22 @@ mod tests {
 
     #[test]
     fn buckets_keep_their_burst_inside_the_share() {
-        let bucket = bucket_for(100.0);
+        let bucket = bucket_for(100.0, 1);
         assert_eq!(bucket.tokens_per_fill, 95);
         assert_eq!(bucket.max_tokens, 25);
         // A fresh bucket over one interval: its capacity plus its rate, within the share.
         assert!(f64::from(bucket.max_tokens) + 5.0 * f64::from(bucket.tokens_per_fill) <= 500.0);
-        assert_eq!(bucket_for(0.0).max_tokens, 2);
-        assert_eq!(bucket_for(f64::NAN).tokens_per_fill, 0);
+        assert_eq!(bucket_for(0.0, 1).max_tokens, 2);
+        assert_eq!(bucket_for(f64::NAN, 1).tokens_per_fill, 0);
     }
 
     #[test]
     fn small_moves_keep_the_held_bucket() {
-        let held = bucket_for(100.0);
-        assert!(keep(held, bucket_for(104.0)));
-        assert!(keep(held, bucket_for(99.0)));
-        assert!(!keep(held, bucket_for(120.0)));
-        assert!(!keep(held, bucket_for(90.0)));
+        let held = bucket_for(100.0, 1);
+        assert!(keep(held, bucket_for(104.0, 1)));
+        assert!(keep(held, bucket_for(99.0, 1)));
+        assert!(!keep(held, bucket_for(120.0, 1)));
+        assert!(!keep(held, bucket_for(90.0, 1)));
     }
 
     proptest! {
@@ -177,8 +198,26 @@ mod tests {
                 }
             }
             // Buckets from shares never sum to more than the limit per second.
-            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s).tokens_per_fill)).sum();
+            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s, 1).tokens_per_fill)).sum();
             prop_assert!(rates as f64 <= limit + 1e-6);
         }
+    }
+
+    #[test]
+    fn a_small_limit_splits_into_whole_tokens_over_a_longer_fill_interval() {
+        // 60 a minute over four Envoys: a quarter of a request a second each.
+        let fill = fill_seconds_for(1.0);
+        assert_eq!(fill, 100);
+        let bucket = bucket_for(0.25, fill);
+        assert_eq!(bucket.tokens_per_fill, 23, "0.95 x 0.25 x 100");
+        let rate = f64::from(bucket.tokens_per_fill) / f64::from(bucket.fill_seconds);
+        assert!(rate > 0.2 && rate <= 0.25, "{rate}");
+        assert_eq!(fill_seconds_for(200.0), 1);
+        assert_eq!(fill_seconds_for(1.0 / 3600.0), 3600);
+        assert_eq!(fill_seconds_for(0.0), 1);
+        assert!(
+            !keep(bucket_for(0.25, 100), bucket_for(0.25, 1)),
+            "another interval is a change"
+        );
     }
 }

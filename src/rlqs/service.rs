@@ -559,7 +559,7 @@ impl StreamState {
                         .iter()
                         .position(|d| d.member == self.id)
                         .map_or(split.limit / (live.len() + 1) as f64, |at| shares[at]);
-                    let mut bucket = alloc::bucket_for(own);
+                    let mut bucket = alloc::bucket_for(own, alloc::fill_seconds_for(split.limit));
                     if let Some(Sent::Bucket(old)) = held.sent
                         && alloc::keep(old, bucket)
                     {
@@ -665,7 +665,7 @@ impl Held {
                 max_tokens: bucket.max_tokens,
                 tokens_per_fill: Some(bucket.tokens_per_fill),
                 fill_interval: Some(prost_types::Duration {
-                    seconds: 1,
+                    seconds: i64::from(bucket.fill_seconds),
                     nanos: 0,
                 }),
             }),
@@ -736,7 +736,7 @@ impl View {
                     Some(Sent::DenyAll) => "DENY_ALL".into(),
                     Some(Sent::Bucket(bucket)) => serde_json::json!({
                         "tokens_per_fill": bucket.tokens_per_fill,
-                        "fill_interval_s": 1,
+                        "fill_interval_s": bucket.fill_seconds,
                         "max_tokens": bucket.max_tokens,
                     }),
                 };
