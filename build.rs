@@ -30,6 +30,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             )],
             &[std::path::PathBuf::from("proto"), well_known.clone()],
         )?;
+    // Envoy's Rate Limit Quota Service, with prost's own codec: one report per Envoy every few
+    // seconds. Compiled last: its `envoy.type.v3` file is a superset of the one above.
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out_dir.join("rlqs_descriptor.bin"))
+        .build_client(true)
+        .build_server(true)
+        .compile_with_config(
+            prost_config(),
+            &[std::path::PathBuf::from(
+                "proto/envoy/service/rate_limit_quota/v3/rlqs.proto",
+            )],
+            &[std::path::PathBuf::from("proto"), well_known.clone()],
+        )?;
     // The xDS client's protos, with prost's own codec: these messages are not on the hot path.
     tonic_prost_build::configure()
         .build_client(true)

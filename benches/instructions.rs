@@ -107,6 +107,7 @@ impl Rig {
                 let mut settings = RedisSettings::new(format!("redis://127.0.0.1:{}", redis.port));
                 // valgrind slows rlsd's side of each call many times over.
                 settings.command_timeout = std::time::Duration::from_secs(10);
+                settings.timeout_cap = settings.command_timeout;
                 let store = runtime
                     .block_on(RedisStore::connect(settings))
                     .expect("connect to redis");

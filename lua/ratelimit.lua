@@ -16,6 +16,9 @@
 --           as one hit, nothing taken), "r<n>" refunds n, "c<n>" charges n (decided as taking n,
 --           and recorded whatever the answer: work already done), "d<n>" evaluates a charge as
 --           "c<n>" does but records it only if the request is allowed (a dry run's)
+-- then      optionally, the expiry jitter: milliseconds added to the TTL of every key this
+--           call writes (EXPIRATION_JITTER_MAX_SECONDS: the caller draws it, 0..N s, per call),
+--           so keys of one window do not all expire at once; answers never see it
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
 -- Reply: one string of decimal integers separated by spaces: the script's clock (µs), then three
@@ -474,9 +477,13 @@ local function assess(c, mode, n, st, now)
     local allowed, remaining, reset, unconsumed, new, ttl = run(c, st, now, n, n, true)
     if n > c.capacity then
       local _, idle = run(c, st, now, 0, 0)
-      allowed, remaining, reset, unconsumed = false, idle, never_reset(c, now), idle
+      unconsumed = idle
+    elseif allowed then
+      return allowed, remaining, reset, unconsumed, new, ttl
     end
-    return allowed, remaining, reset, unconsumed, new, ttl
+    -- Recorded past the limit: it answers the state it leaves, as a check right after it would.
+    local _, _, next_reset = run(c, new or st, now, 1, 0)
+    return false, 0, next_reset, unconsumed, new, ttl
   end
   if n > c.capacity then
     local _, remaining = run(c, st, now, 0, 0)
@@ -487,9 +494,12 @@ end
 
 -- Writing state ----------------------------------------------------------------------------
 
+-- Set from the optional last argument, once the requests are parsed.
+local jitter_ms = 0
+
 local function store(c, key, st, ttl, now)
   -- Formatted here: Redis would turn a Lua number into text with %.17g, a slower conversion.
-  ttl = string.format('%d', max(1, ceil(ttl / 1000)))
+  ttl = string.format('%d', max(1, ceil(ttl / 1000)) + jitter_ms)
   if c.alg == 'swlc' then
     -- Hits given back leave from the newest end (ranks are still those read at load).
     if st.removed > 0 then
@@ -600,6 +610,9 @@ do
       end
       g, arg = g + 1, arg + 2
     end
+  end
+  if ARGV[arg] then
+    jitter_ms = ARGV[arg] + 0
   end
 end
 local raw_at = {}

@@ -196,15 +196,26 @@ fn run(params: &Params, state: Option<&State>, now: u64, want: u64, take: u64) -
     decide(params, state, now, want, take, false)
 }
 
-/// Takes `n` whatever the answer: the verdict of asking for `n` (one that never fits says so, as
-/// a take would), and the state with them taken.
+/// Takes `n` whatever the answer, and the state with them taken. One that fits answers as a take;
+/// one recorded past the limit answers the state it leaves (nothing remaining, the reset a check
+/// right after it reports), since the hits were taken all the same.
 fn charge(params: &Params, state: Option<&State>, now: u64, n: u64) -> Assessment {
     let mut assessment = decide(params, state, now, n, n, true);
     if n > params.capacity() {
-        let never = impossible(params, state, now);
-        assessment.verdict = never.verdict;
-        assessment.unconsumed_remaining = never.unconsumed_remaining;
+        assessment.unconsumed_remaining = impossible(params, state, now).unconsumed_remaining;
+    } else if assessment.verdict.allowed {
+        return assessment;
     }
+    let after = assessment
+        .update
+        .as_ref()
+        .map_or(state, |update| Some(&update.state));
+    let next = run(params, after, now, 1, 0).verdict;
+    assessment.verdict = Verdict {
+        allowed: false,
+        remaining: 0,
+        reset_us: next.reset_us,
+    };
     assessment
 }
 

@@ -10,8 +10,9 @@ use clap::{Parser, Subcommand};
 
 use crate::engine::KeySettings;
 use crate::metrics::DEFAULT_NEAR_LIMIT_RATIO;
-use crate::server::{self, ConnectionLimits, ServeOptions};
-use crate::service::{FailureMode, HeaderStyle, RequestLimits, ServiceSettings};
+use crate::rlqs::RlqsSettings;
+use crate::server::{self, ConnectionLimits, RlqsOptions, ServeOptions};
+use crate::service::{FailureMode, HeaderNames, HeaderStyle, RequestLimits, ServiceSettings};
 use crate::store::memory::DEFAULT_MAX_KEYS;
 use crate::store::redis::SentinelTarget;
 use crate::store::{ClientIdentity, ClusterSettings, RedisSettings, StoreSettings};
@@ -277,6 +278,19 @@ pub struct ServeArgs {
     /// Rate limit headers added to responses.
     #[arg(long, env = "RLSD_HEADERS", value_enum, default_value_t = HeaderStyle::XRatelimit)]
     pub headers: HeaderStyle,
+    /// Name of the limit header instead of the style's (`LIMIT_LIMIT_HEADER`).
+    #[arg(long, env = "RLSD_LIMIT_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub limit_header: Option<http::HeaderName>,
+    /// Name of the remaining header instead of the style's (`LIMIT_REMAINING_HEADER`).
+    #[arg(long, env = "RLSD_REMAINING_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub remaining_header: Option<http::HeaderName>,
+    /// Name of the reset header instead of the style's (`LIMIT_RESET_HEADER`).
+    #[arg(long, env = "RLSD_RESET_HEADER", value_name = "NAME", value_parser = header_name)]
+    pub reset_header: Option<http::HeaderName>,
+    /// Which hits are charges (recorded whatever the answer) for limits that do not say:
+    /// `descriptor_hits`, `always` (envoyproxy/ratelimit's counting, xDS limits too) or `never`.
+    #[arg(long, env = "RLSD_DEFAULT_CHARGE", value_name = "MODE", default_value = "descriptor_hits", value_parser = crate::limit::parse_charge)]
+    pub default_charge: crate::limit::Charge,
     /// Keep state in Redis (`redis://[user:pass@]host:port[/db]`, `rediss://` for TLS) instead
     /// of in process, so replicas share it. Set it in the environment rather than here: a
     /// command line is visible to every process on the host.
@@ -287,6 +301,11 @@ pub struct ServeArgs {
     /// Sentinel names, with `--redis-url` the comma-separated Sentinels.
     #[arg(long, env = "RLSD_REDIS_MODE", value_enum, default_value_t = RedisMode::Single)]
     pub redis_mode: RedisMode,
+    /// Most seconds added at random to the expiry of each Redis key a call writes, so the keys
+    /// of one window do not all expire at once (`EXPIRATION_JITTER_MAX_SECONDS`); answers and
+    /// reset times are unchanged. 0 (the default): none. At most one day.
+    #[arg(long, env = "RLSD_REDIS_EXPIRY_JITTER_SECONDS", value_name = "SECONDS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub redis_expiry_jitter_seconds: u64,
     /// Denials remembered in process: a request whose every limit is a denial known to hold
     /// until T is answered until T without a Redis round trip, exactly as Redis would (0: off).
     #[arg(long, env = "RLSD_OVER_LIMIT_CACHE", default_value_t = 100_000)]
@@ -326,6 +345,11 @@ pub struct ServeArgs {
     /// Longest wait for Redis, in milliseconds, whatever `grpc-timeout` a caller sent.
     #[arg(long, env = "RLSD_REDIS_TIMEOUT_CAP_MS", default_value_t = 1000)]
     pub redis_timeout_cap_ms: u64,
+    /// Most requests, per serving lane (per store on a Cluster), whose Redis calls are still
+    /// awaited after their callers stopped waiting, so that what a late reply committed is
+    /// given back; past it such a call is let go and what it commits stays counted.
+    #[arg(long, env = "RLSD_REDIS_MAX_LATE_REQUESTS", default_value_t = crate::store::deadline::DEFAULT_MAX_LATE_REQUESTS)]
+    pub redis_max_late_requests: usize,
     /// Most concurrent requests coalesced into one Redis EVALSHA (1: no coalescing).
     #[arg(long, env = "RLSD_REDIS_MAX_BATCH", default_value_t = crate::store::redis::DEFAULT_MAX_BATCH)]
     pub redis_max_batch: usize,
@@ -464,6 +488,39 @@ pub struct ServeArgs {
         value_parser = at_least_one
     )]
     pub max_message_bytes: usize,
+    /// Do not serve Envoy's Rate Limit Quota Service (`StreamRateLimitQuotas`), on by default
+    /// on the same gRPC listeners as `ShouldRateLimit` (see docs/rlqs.md).
+    #[arg(long, env = "RLSD_NO_RLQS")]
+    pub no_rlqs: bool,
+    /// RLQS: the report interval assumed for a bucket until its own is measured (Envoy's is
+    /// 5 s), in milliseconds; TTLs are three intervals, departed Envoys are forgotten after 2.5.
+    #[arg(long, env = "RLSD_RLQS_REPORT_INTERVAL_MS", default_value_t = 5000, value_parser = at_least_one_ms)]
+    pub rlqs_report_interval_ms: u64,
+    /// RLQS: a bucket an Envoy reports as 0 allowed / 0 denied for this long is abandoned, in
+    /// milliseconds.
+    #[arg(long, env = "RLSD_RLQS_IDLE_AFTER_MS", default_value_t = 60_000, value_parser = at_least_one_ms)]
+    pub rlqs_idle_after_ms: u64,
+    /// RLQS: most buckets one stream may report; a report beyond it ends the stream with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKETS_PER_STREAM", default_value_t = 1_000, value_parser = at_least_one)]
+    pub rlqs_max_buckets_per_stream: usize,
+    /// RLQS: most streams open at once on this server; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "RLSD_RLQS_MAX_STREAMS", default_value_t = 10_000, value_parser = at_least_one)]
+    pub rlqs_max_streams: usize,
+    /// RLQS: most entries in one bucket id; more ends the stream with INVALID_ARGUMENT.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKET_ENTRIES", default_value_t = 16, value_parser = at_least_one)]
+    pub rlqs_max_bucket_entries: usize,
+    /// RLQS: most bytes of one bucket id's keys and values (and of the domain); more ends the
+    /// stream with INVALID_ARGUMENT.
+    #[arg(long, env = "RLSD_RLQS_MAX_BUCKET_BYTES", default_value_t = 1_024, value_parser = at_least_one)]
+    pub rlqs_max_bucket_bytes: usize,
+    /// RLQS: largest report message, in bytes; larger ends the stream with OUT_OF_RANGE.
+    #[arg(long, env = "RLSD_RLQS_MAX_REPORT_BYTES", default_value_t = 1 << 20, value_parser = at_least_one)]
+    pub rlqs_max_report_bytes: usize,
+    /// RLQS: a stream that sends no report this long after it opens is ended, in milliseconds
+    /// (Envoy opens it with its first bucket's report).
+    #[arg(long, env = "RLSD_RLQS_FIRST_REPORT_TIMEOUT_MS", default_value_t = 10_000, value_parser = at_least_one_ms)]
+    pub rlqs_first_report_timeout_ms: u64,
 }
 
 impl Cli {
@@ -557,6 +614,8 @@ impl ServeArgs {
             cluster.connect_timeout = connect_timeout;
             cluster.command_timeout = command_timeout;
             cluster.timeout_cap = timeout_cap;
+            cluster.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
+            cluster.max_late_requests = self.redis_max_late_requests;
             cluster.ca_file.clone_from(&self.redis_ca);
             cluster.client_identity = identity;
             return Ok(StoreSettings::Cluster(cluster));
@@ -565,6 +624,8 @@ impl ServeArgs {
         redis.connect_timeout = connect_timeout;
         redis.command_timeout = command_timeout;
         redis.timeout_cap = timeout_cap;
+        redis.expiry_jitter = Duration::from_secs(self.redis_expiry_jitter_seconds);
+        redis.max_late_requests = self.redis_max_late_requests;
         redis.max_batch = self.redis_max_batch.max(1);
         redis.pipelines = self.redis_pipelines.max(1);
         redis.ca_file.clone_from(&self.redis_ca);
@@ -587,8 +648,14 @@ impl ServeArgs {
         ServiceSettings {
             keys: KeySettings {
                 prefix: self.key_prefix.clone(),
+                default_charge: self.default_charge,
             },
             headers: self.headers,
+            header_names: HeaderNames {
+                limit: self.limit_header.clone(),
+                remaining: self.remaining_header.clone(),
+                reset: self.reset_header.clone(),
+            },
             failure_mode: self.failure_mode,
             shadow_mode: self.shadow_mode,
             quota_mode: self.quota_mode,
@@ -692,6 +759,20 @@ impl ServeArgs {
                 )?,
                 http_header_timeout: Duration::from_millis(self.http_header_timeout_ms),
             },
+            rlqs: (!self.no_rlqs).then(|| RlqsOptions {
+                settings: RlqsSettings {
+                    report_interval: Duration::from_millis(self.rlqs_report_interval_ms),
+                    idle_after: Duration::from_millis(self.rlqs_idle_after_ms),
+                    max_buckets_per_stream: self.rlqs_max_buckets_per_stream,
+                    max_streams: self.rlqs_max_streams,
+                    max_bucket_entries: self.rlqs_max_bucket_entries,
+                    max_bucket_bytes: self.rlqs_max_bucket_bytes,
+                    max_report_bytes: self.rlqs_max_report_bytes,
+                    first_report_timeout: Duration::from_millis(self.rlqs_first_report_timeout_ms),
+                    failure_mode: self.failure_mode,
+                },
+                ..RlqsOptions::default()
+            }),
         })
     }
 
@@ -774,6 +855,12 @@ fn url_path(text: &str) -> Result<String, String> {
 }
 
 /// Parses file permissions in octal (`660`, `0600`).
+/// Parses a response header name; HTTP/2 sends names in lower case, so it is lowered.
+fn header_name(text: &str) -> Result<http::HeaderName, String> {
+    http::HeaderName::from_bytes(text.to_ascii_lowercase().as_bytes())
+        .map_err(|_| format!("not an HTTP header name: {text:?}"))
+}
+
 fn octal_mode(text: &str) -> Result<u32, String> {
     match u32::from_str_radix(text, 8) {
         Ok(mode) if mode <= 0o777 => Ok(mode),

@@ -31,6 +31,8 @@ pub struct Health {
     /// is told, so a drain and a probe cannot publish out of order.
     published: tokio::sync::Mutex<bool>,
     reporter: HealthReporter,
+    /// Services reported besides [`HEALTH_SERVICES`] (the quota service, when it is on).
+    also: std::sync::Mutex<Vec<&'static str>>,
 }
 
 impl Health {
@@ -46,11 +48,24 @@ impl Health {
             required_config,
             published: tokio::sync::Mutex::new(false),
             reporter,
+            also: std::sync::Mutex::new(Vec::new()),
         };
         let serving = health.serving();
         *health.published.lock().await = serving;
-        set_grpc_health(&health.reporter, serving).await;
+        health.set_grpc_health(serving).await;
         health
+    }
+
+    /// Reports `service` too, from now on, with the rest.
+    pub async fn report_also(&self, service: &'static str) {
+        let published = self.published.lock().await;
+        self.also
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(service);
+        self.reporter
+            .set_service_status(service, status_of(*published))
+            .await;
     }
 
     /// Whether the server should receive traffic.
@@ -88,7 +103,7 @@ impl Health {
         let serving = self.serving();
         if *published != serving {
             *published = serving;
-            set_grpc_health(&self.reporter, serving).await;
+            self.set_grpc_health(serving).await;
         }
     }
 
@@ -128,14 +143,25 @@ impl Health {
     }
 }
 
-async fn set_grpc_health(reporter: &HealthReporter, serving: bool) {
-    let status = if serving {
+impl Health {
+    async fn set_grpc_health(&self, serving: bool) {
+        let status = status_of(serving);
+        self.reporter.set_service_status("", status).await;
+        let also = self
+            .also
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for service in HEALTH_SERVICES.into_iter().chain(also) {
+            self.reporter.set_service_status(service, status).await;
+        }
+    }
+}
+
+fn status_of(serving: bool) -> tonic_health::ServingStatus {
+    if serving {
         tonic_health::ServingStatus::Serving
     } else {
         tonic_health::ServingStatus::NotServing
-    };
-    reporter.set_service_status("", status).await;
-    for service in HEALTH_SERVICES {
-        reporter.set_service_status(service, status).await;
     }
 }

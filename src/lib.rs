@@ -28,6 +28,8 @@
 //!   when the binary runs as `/bin/ratelimit`.
 //! - [`reload`]: hot reload: re-read the config when its files change or on SIGHUP, swap it in
 //!   only when valid.
+//! - [`rlqs`]: Envoy's Rate Limit Quota Service: reports in, per-Envoy token buckets out, each
+//!   bucket's limit split max-min fair across Envoys and replicas.
 //! - [`server`]: listeners, serving lanes, HTTP/2 connections, the gRPC routes, and shutdown.
 //! - [`service`]: the `RateLimitService` itself: validate, match, decide, assemble the answer.
 //! - [`simulate`]: `rlsd simulate`: what each algorithm does to a descriptor's traffic, as a
@@ -56,6 +58,7 @@ pub mod metrics;
 pub mod pb;
 pub mod ratelimit_env;
 pub mod reload;
+pub mod rlqs;
 pub mod server;
 pub mod service;
 pub mod simulate;

@@ -221,10 +221,13 @@ pub struct Limit {
 /// whatever the answer, where other hits are taken only when the whole request is allowed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Charge {
+    /// Not set on the limit (a YAML limit without `charge:`, every xDS limit, an Envoy
+    /// override): the service's default, `--default-charge` (`descriptor_hits` unless set).
+    #[default]
+    Default,
     /// A descriptor's own `hits_addend` is a charge; the request's hits are not. This is how
     /// Envoy (and Envoy Gateway's `responseCost`, AI Gateway's token costs) sends costs, so it
     /// needs nothing in the config, which over xDS could not say it anyway.
-    #[default]
     DescriptorHits,
     /// Every hit is a charge, as envoyproxy/ratelimit counts every hit.
     Always,
@@ -236,18 +239,33 @@ impl Charge {
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {
+            Charge::Default => "default",
             Charge::DescriptorHits => "descriptor_hits",
             Charge::Always => "always",
             Charge::Never => "never",
         }
     }
 
-    /// Parses the config spelling.
+    /// Parses the config spelling (`default` is not one: a limit either sets a mode or not).
     pub fn parse(name: &str) -> Option<Charge> {
         [Charge::DescriptorHits, Charge::Always, Charge::Never]
             .into_iter()
             .find(|charge| charge.name() == name)
     }
+
+    /// This mode, or `default` when it is [`Charge::Default`].
+    pub fn or(self, default: Charge) -> Charge {
+        match self {
+            Charge::Default => default,
+            set => set,
+        }
+    }
+}
+
+/// Parses `--default-charge`: one of the YAML `charge:` modes.
+pub fn parse_charge(text: &str) -> Result<Charge, String> {
+    Charge::parse(text)
+        .ok_or_else(|| format!("invalid charge '{text}' (valid: descriptor_hits, always, never)"))
 }
 
 impl Limit {

@@ -127,6 +127,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         let listeners = bind(&args).await?;
         let store = Arc::new(store::connect(store_settings).await?);
+        let mut options = options;
+        if let Some(rlqs) = &mut options.rlqs {
+            // Demands meet in the store, so replicas on one Redis split limits alike.
+            rlqs.board = Arc::new(rlsd::rlqs::StoreBoard::new(Arc::clone(&store)));
+        }
         if let Some(path) = &args.config {
             if config.load().domains.is_empty() {
                 metrics.config_load_error.inc();

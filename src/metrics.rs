@@ -88,6 +88,9 @@ pub struct Metrics {
     pub failure_mode_answers: IntCounterVec,
     /// Requests rejected as malformed.
     pub invalid_requests: IntCounter,
+    /// Descriptors answered OK without a limit for their shape (an empty key, no entries), by
+    /// reason.
+    pub descriptors_skipped: IntCounterVec,
     /// Config loads that succeeded.
     pub config_load_success: IntCounter,
     /// Config loads that failed (the previous config stays).
@@ -100,6 +103,10 @@ pub struct Metrics {
     pub memory_full_rejections: IntGauge,
     /// Requests denied by the local over-limit cache without a store round trip.
     pub over_limit_cache_hits: IntCounter,
+    /// Requests whose Redis calls are awaited after their callers stopped waiting.
+    pub redis_late_requests: IntGauge,
+    /// Requests whose Redis calls were let go past `--redis-max-late-requests` since start.
+    pub redis_late_requests_let_go: IntGauge,
 }
 
 fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -217,6 +224,12 @@ impl Metrics {
                 "rlsd_invalid_requests_total",
                 "Requests rejected as INVALID_ARGUMENT",
             ),
+            descriptors_skipped: counter_vec(
+                r,
+                "rlsd_descriptors_skipped_total",
+                "Descriptors answered OK without a limit for their shape, by reason (empty_key, no_entries)",
+                &["reason"],
+            ),
             config_load_success: counter(
                 r,
                 "ratelimit_service_config_load_success",
@@ -246,6 +259,16 @@ impl Metrics {
                 r,
                 "rlsd_over_limit_cache_hits_total",
                 "Requests denied from the local over-limit cache, without a store round trip",
+            ),
+            redis_late_requests: gauge(
+                r,
+                "rlsd_redis_late_requests",
+                "Requests whose Redis calls are awaited after their callers stopped waiting",
+            ),
+            redis_late_requests_let_go: gauge(
+                r,
+                "rlsd_redis_late_requests_let_go",
+                "Requests whose Redis calls were let go past --redis-max-late-requests (what they committed stays counted)",
             ),
             registry,
         }
@@ -303,6 +326,11 @@ impl Metrics {
     pub fn observe_request(&self, took: Duration) {
         self.request_duration
             .observe(took.as_secs_f64() * self.latency_unit.per_second());
+    }
+
+    /// The registry, for metrics of other modules (the quota service's) to join.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// The text exposition of every metric.

@@ -35,6 +35,11 @@ pub mod envoy {
                 tonic::include_proto!("envoy.service.ratelimit.v3");
             }
         }
+        pub mod rate_limit_quota {
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.rate_limit_quota.v3");
+            }
+        }
     }
 }
 
@@ -58,6 +63,9 @@ pub mod ratelimit {
 
 /// The encoded descriptors of every proto rlsd serves, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rls_descriptor");
+
+/// The encoded descriptors of the Rate Limit Quota Service, for gRPC reflection.
+pub const RLQS_FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rlqs_descriptor");
 
 pub use envoy::config::core::v3::HeaderValue;
 pub use envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};

@@ -74,16 +74,13 @@ pub const IGNORED: &[(&[&str], &str)] = &[
         "rlsd's metrics carry no extra labels; add them in the scrape config",
     ),
     (
-        &["EXPIRATION_JITTER_MAX_SECONDS"],
-        "rlsd's keys expire at their window's end, without jitter",
-    ),
-    (
         &["LOCAL_CACHE_SIZE_IN_BYTES"],
         "rlsd's over-limit cache is on by default and sized in entries (RLSD_OVER_LIMIT_CACHE)",
     ),
     (
         &["STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT"],
-        "rlsd never counts a denied request against any limit",
+        "rlsd counts none of a denied request's hits (theirs, with this set, still counts the \
+         key that went over); charges are recorded either way",
     ),
     (
         &[
@@ -281,6 +278,26 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
     if let Some(prefix) = get("CACHE_KEY_PREFIX") {
         flags.flag("key-prefix", prefix);
     }
+    // Unset, theirs adds up to 300 s; rlsd adds none unless asked (its keys already expire a
+    // second after their window).
+    if let Some(seconds) = get("EXPIRATION_JITTER_MAX_SECONDS") {
+        match seconds.parse::<u64>() {
+            Ok(n) if n <= 86_400 => flags.flag("redis-expiry-jitter-seconds", n.to_string()),
+            _ => {
+                return Err(invalid(
+                    "EXPIRATION_JITTER_MAX_SECONDS",
+                    &seconds,
+                    "whole seconds from 0 to 86400",
+                ));
+            }
+        }
+    }
+    // Added upstream after f2fb157 (#1191): rlsd always drops a connection that answers
+    // READONLY (a master turned replica) and reconnects; either value is accepted.
+    boolean(
+        "REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",
+        get("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR"),
+    )?;
     for (variable, flag) in [
         ("SHADOW_MODE", "--shadow-mode"),
         ("QUOTA_MODE", "--quota-mode"),
@@ -303,19 +320,16 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
         "LIMIT_RESPONSE_HEADERS_ENABLED",
         get("LIMIT_RESPONSE_HEADERS_ENABLED"),
     )?;
-    for (variable, default) in [
-        ("LIMIT_LIMIT_HEADER", "RateLimit-Limit"),
-        ("LIMIT_REMAINING_HEADER", "RateLimit-Remaining"),
-        ("LIMIT_RESET_HEADER", "RateLimit-Reset"),
+    for (variable, flag) in [
+        ("LIMIT_LIMIT_HEADER", "limit-header"),
+        ("LIMIT_REMAINING_HEADER", "remaining-header"),
+        ("LIMIT_RESET_HEADER", "reset-header"),
     ] {
-        if let Some(name) = get(variable)
-            && !name.eq_ignore_ascii_case(default)
-        {
-            return Err(unsupported(
-                variable,
-                name,
-                "rlsd's header names are fixed (--headers ratelimit sends RateLimit-*)",
-            ));
+        if let Some(name) = get(variable) {
+            if http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).is_err() {
+                return Err(invalid(variable, &name, "an HTTP header name"));
+            }
+            flags.flag(flag, name);
         }
     }
     flags.flag(
@@ -336,14 +350,10 @@ fn mapped_flags(var: &impl Fn(&str) -> Option<String>) -> Result<ServeFlags, Env
         flags.flag("tls-key", key);
         if let Some(ca) = get("GRPC_CLIENT_TLS_CACERT") {
             flags.flag("tls-client-ca", ca);
-        } else if get("GRPC_SERVER_TLS_CA_CERT").is_some() {
-            // Envoy Gateway sets it; envoyproxy/ratelimit reads no such variable.
-            flags.notes.push(
-                "GRPC_SERVER_TLS_CA_CERT: not read (as by envoyproxy/ratelimit); client \
-                 certificates are checked only with GRPC_CLIENT_TLS_CACERT"
-                    .into(),
-            );
         }
+        // Envoy Gateway sets GRPC_SERVER_TLS_CA_CERT to the CA of the server's own certificate
+        // (its `ca.crt` beside `tls.crt`); envoyproxy/ratelimit reads no such variable and
+        // checks no client certificate with it, so neither does rlsd, and that is no news.
         if let Some(san) = get("GRPC_CLIENT_TLS_SAN") {
             return Err(unsupported(
                 "GRPC_CLIENT_TLS_SAN",

@@ -37,6 +37,18 @@ pub enum HeaderStyle {
     Off,
 }
 
+/// Header names that replace the style's own, each `None` for the style's
+/// (envoyproxy/ratelimit's `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeaderNames {
+    /// Replaces the limit header's name.
+    pub limit: Option<http::HeaderName>,
+    /// Replaces the remaining header's name.
+    pub remaining: Option<http::HeaderName>,
+    /// Replaces the reset header's name.
+    pub reset: Option<http::HeaderName>,
+}
+
 impl HeaderStyle {
     fn names(self) -> Option<[&'static str; 3]> {
         match self {
@@ -94,6 +106,8 @@ pub struct ServiceSettings {
     pub keys: KeySettings,
     /// Response headers.
     pub headers: HeaderStyle,
+    /// Names replacing the style's header names (lower case, as HTTP/2 sends them).
+    pub header_names: HeaderNames,
     /// The answer when the store fails.
     pub failure_mode: FailureMode,
     /// Every limit in shadow mode (envoyproxy/ratelimit's `SHADOW_MODE`): evaluated, counted and
@@ -233,6 +247,9 @@ impl<S: Store> RateLimiter<S> {
     ) -> Result<pb::RateLimitResponse, Status> {
         let request = validate(request, &self.settings.limits)
             .inspect_err(|_| self.metrics.invalid_requests.inc())?;
+        if effect == Effect::Apply {
+            self.count_skipped(&request);
+        }
         // One snapshot for the whole request, however the config changes meanwhile.
         let config = self.config.load();
         let mut plan = engine::plan(&config, &request, &self.settings.keys);
@@ -270,6 +287,27 @@ impl<S: Store> RateLimiter<S> {
                 Ok(assemble(&request, &plan, &outcomes, &self.settings))
             }
             Err(error) => self.failure_answer(&plan, &error),
+        }
+    }
+
+    /// Counts the descriptors no configured limit can match for their shape (an entry with an
+    /// empty key, or no entries): answered OK without a limit, as envoyproxy/ratelimit does,
+    /// rather than refusing the whole call. An override still applies to them, as there.
+    fn count_skipped(&self, request: &engine::Request) {
+        for descriptor in &request.descriptors {
+            let reason = if descriptor.limit_override.is_some() {
+                continue;
+            } else if descriptor.entries.is_empty() {
+                "no_entries"
+            } else if descriptor.entries.iter().any(|(key, _)| key.is_empty()) {
+                "empty_key"
+            } else {
+                continue;
+            };
+            self.metrics
+                .descriptors_skipped
+                .with_label_values(&[reason])
+                .inc();
         }
     }
 
@@ -512,11 +550,6 @@ fn validate_descriptor(
     descriptor: pb::RateLimitDescriptor,
     limits: &RequestLimits,
 ) -> Result<Descriptor, Status> {
-    if descriptor.entries.is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "descriptor {index} has no entries"
-        )));
-    }
     if descriptor.entries.len() > limits.max_entries {
         return Err(Status::invalid_argument(format!(
             "descriptor {index} has {} entries; at most {} are allowed (--max-entries)",
@@ -537,11 +570,7 @@ fn validate_descriptor(
         .into_iter()
         .enumerate()
         .map(|(position, entry)| {
-            if entry.key.is_empty() {
-                Err(Status::invalid_argument(format!(
-                    "descriptor {index} entry {position} has an empty key"
-                )))
-            } else if entry.key.len() > limits.max_key_bytes {
+            if entry.key.len() > limits.max_key_bytes {
                 Err(Status::invalid_argument(format!(
                     "descriptor {index} entry {position} key is {} bytes; at most {} are allowed (--max-key-bytes)",
                     entry.key.len(),
@@ -642,9 +671,11 @@ struct Reported<'c> {
 /// limit, or under `--quota-mode` a descriptor no limit applies to, which envoyproxy/ratelimit
 /// counts as a quota with room), none of them denies and the store takes them as shadow checks.
 fn enforce(plan: &mut Plan<'_>, settings: &ServiceSettings) {
-    for check in &mut plan.checks {
-        check.shadow |= settings.shadow_mode;
-        check.quota_mode |= settings.quota_mode;
+    if settings.shadow_mode || settings.quota_mode {
+        for check in &mut plan.checks {
+            check.shadow |= settings.shadow_mode;
+            check.quota_mode |= settings.quota_mode;
+        }
     }
     let open_quota = quota_without_limit(plan, settings)
         || plan
@@ -736,7 +767,12 @@ fn assemble(
     pb::RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
         statuses,
-        response_headers_to_add: rate_limit_headers(&limited, over, settings.headers),
+        response_headers_to_add: rate_limit_headers(
+            &limited,
+            over,
+            settings.headers,
+            &settings.header_names,
+        ),
         dynamic_metadata,
         ..Default::default()
     }
@@ -920,15 +956,27 @@ fn whole_seconds_up(us: u64) -> u64 {
     us.div_ceil(MICROS_PER_SECOND)
 }
 
+/// `name`, or the style's `default` without one.
+fn or_name<'a>(name: Option<&'a http::HeaderName>, default: &'a str) -> &'a str {
+    name.map_or(default, http::HeaderName::as_str)
+}
+
 /// Rate limit headers from the status closest to its limit (Envoy's own rule); `Retry-After`
 /// from the longest wait among denials.
 fn rate_limit_headers(
     limited: &[Reported<'_>],
     over: bool,
     style: HeaderStyle,
+    names: &HeaderNames,
 ) -> Vec<pb::HeaderValue> {
     let (Some([limit_name, remaining_name, reset_name]), Some(closest)) = (
-        style.names(),
+        style.names().map(|[limit, remaining, reset]| {
+            [
+                or_name(names.limit.as_ref(), limit),
+                or_name(names.remaining.as_ref(), remaining),
+                or_name(names.reset.as_ref(), reset),
+            ]
+        }),
         limited
             .iter()
             .min_by_key(|r| (r.remaining, std::cmp::Reverse(r.reset_us))),

@@ -15,6 +15,8 @@ use crate::config::model::{Config, Domain, Level, Node, PlanTable, Policy, Wildc
 use crate::config::yaml::{self, Pos, Value};
 use crate::limit::{Algorithm, Charge, Limit, Period, Unit};
 
+mod rlqs;
+
 /// A node of the raw YAML tree (as opposed to a [`Node`] of the config tree).
 type YNode = yaml::Node;
 
@@ -462,14 +464,20 @@ fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
         values_in_metrics: false,
         merge,
         base: None,
+        quota: Default::default(),
     };
     let (domain, root, plans) = walker.file(&root);
     let unknown_replaces = walker.check_replaces();
     let mut errors = std::mem::take(&mut walker.errors);
-    let (source, plans) = match walker.base.take() {
-        Some(base) => (format!("{}, {file}", base.source), plans.or(base.plans)),
-        None => (file.to_owned(), plans),
+    let (source, plans, quota) = match walker.base.take() {
+        Some(base) => (
+            format!("{}, {file}", base.source),
+            plans.or(base.plans),
+            base.quota,
+        ),
+        None => (file.to_owned(), plans, None),
     };
+    let quota = quota.unwrap_or_else(|| std::mem::take(&mut walker.quota));
     let merging = walker.merge.is_some();
     let built = domain.as_ref().map(|(name, _)| Domain {
         name: name.clone(),
@@ -478,6 +486,7 @@ fn load_file_here(file: &str, text: &str, merge: Option<Merge<'_>>) -> Loaded {
         plans,
         shares_thresholds: walker.shares_thresholds,
         values_in_metrics: walker.values_in_metrics,
+        quota,
     });
     let (result, partial) = match built {
         Some(built) if errors.is_empty() => (Ok(built), None),
@@ -522,7 +531,7 @@ fn limit_names(level: &Level, names: &mut HashSet<String>) {
 }
 
 /// Keys allowed at the top of a file.
-const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors"];
+const FILE_KEYS: &[&str] = &["domain", "layers", "plans", "descriptors", "quota_buckets"];
 /// The longest period a limit may have: ten years keeps every microsecond sum well inside what
 /// Lua's doubles (and so the Redis store) count exactly.
 const MAX_PERIOD_SECONDS: u64 = 10 * 365 * 86_400;
@@ -666,6 +675,8 @@ struct Walker<'a> {
     /// What this file adds to: the earlier files' domain of the same name, taken out of
     /// `merge` (its descriptors become this file's starting level).
     base: Option<Base<'a>>,
+    /// `quota_buckets:`, the Rate Limit Quota Service's rules.
+    quota: crate::rlqs::QuotaRules,
 }
 
 /// The part of an earlier domain a merged file does not walk into.
@@ -676,6 +687,8 @@ struct Base<'a> {
     plans: Option<PlanTable>,
     /// Where its top-level descriptors and plans were written.
     origins: Option<&'a Origins>,
+    /// Its `quota_buckets:`, if it has any: they are given in one file.
+    quota: Option<crate::rlqs::QuotaRules>,
 }
 
 impl Walker<'_> {
@@ -819,6 +832,19 @@ impl Walker<'_> {
             let parent = self.domain.clone();
             self.descriptors(descriptors, &parent, None, &mut level);
         }
+        if let Some((key, quota)) = fields.get("quota_buckets") {
+            if let Some(base) = &self.base
+                && base.quota.is_some()
+            {
+                let reason = format!(
+                    "quota_buckets of domain '{}' are already given in {}; give them in one file",
+                    self.domain, base.source
+                );
+                self.error(key.pos, reason);
+            } else {
+                self.quota = self.quota_buckets(quota);
+            }
+        }
         let plans = fields.get("plans").and_then(|(key, plans)| {
             if let Some(base) = &self.base
                 && base.plans.is_some()
@@ -855,6 +881,7 @@ impl Walker<'_> {
             source: earlier.source,
             plans: earlier.plans,
             origins: merge.origins.get(name),
+            quota: (!earlier.quota.rules.is_empty()).then_some(earlier.quota),
         });
     }
 

@@ -32,6 +32,8 @@ pub struct Domain {
     pub shares_thresholds: bool,
     /// Some descriptor has `value_to_metric: true`, so metric paths depend on the request.
     pub values_in_metrics: bool,
+    /// `quota_buckets:`: the limits of Rate Limit Quota Service buckets (see `docs/rlqs.md`).
+    pub quota: crate::rlqs::QuotaRules,
 }
 
 /// Maps an API key to its plan, so a descriptor `[api_key=K]` is matched as

@@ -2055,6 +2055,37 @@ fn merged_files_keep_plans_in_one_file() {
     );
 }
 
+#[test]
+fn merged_files_keep_quota_buckets_in_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let quota = "quota_buckets:\n  - rate_limit: {unit: second, requests_per_unit: 10}\n";
+    write(&dir.path().join("a.yaml"), &format!("domain: m\n{quota}"));
+    write(
+        &dir.path().join("b.yaml"),
+        "domain: m\ndescriptors: [{key: b}]\n",
+    );
+    let config = load_path(dir.path(), MERGE).unwrap();
+    assert_eq!(
+        config.domains["m"].quota.rules.len(),
+        1,
+        "kept through the merge"
+    );
+    write(&dir.path().join("c.yaml"), &format!("domain: m\n{quota}"));
+    let errors = match load_path(dir.path(), MERGE) {
+        Ok(config) => panic!("loaded {config:?}"),
+        Err(ConfigErrors(errors)) => errors,
+    };
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].line, 2);
+    assert!(
+        errors[0]
+            .reason
+            .contains("quota_buckets of domain 'm' are already given in"),
+        "{}",
+        errors[0]
+    );
+}
+
 // ---- YAML 1.1 scalars, as envoyproxy/ratelimit's yaml.v2 reads them ----
 
 #[test]

@@ -22,7 +22,8 @@ pub struct LimitOverride {
     pub unit: Unit,
 }
 
-/// One request descriptor, validated: entries have non-empty keys.
+/// One request descriptor, validated (an entry's key may be empty, and entries may be none: no
+/// configured limit matches such a descriptor, but an override applies).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
     /// `(key, value)` entries in order.
@@ -46,17 +47,20 @@ pub struct Request {
     pub hits_addend: u32,
 }
 
-/// How checks are keyed.
+/// How checks are keyed and counted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeySettings {
     /// First key component, so several deployments can share one Redis.
     pub prefix: String,
+    /// Which hits are charges for a limit that does not say (`--default-charge`).
+    pub default_charge: Charge,
 }
 
 impl Default for KeySettings {
     fn default() -> Self {
         KeySettings {
             prefix: "rlsd".to_owned(),
+            default_charge: Charge::DescriptorHits,
         }
     }
 }
@@ -195,7 +199,11 @@ pub fn plan<'c>(config: &'c Config, request: &Request, keys: &KeySettings) -> Pl
                     &entries,
                 ),
                 params: Params::of(&planned.limit),
-                hits: charged(hits, descriptor, planned.limit.charge),
+                hits: charged(
+                    hits,
+                    descriptor,
+                    planned.limit.charge.or(keys.default_charge),
+                ),
                 shadow: planned.limit.shadow,
                 quota_mode: planned.limit.quota_mode,
             });
@@ -424,8 +432,11 @@ fn charged(hits: Hits, descriptor: &Descriptor, charge: Charge) -> Hits {
     };
     match charge {
         Charge::Always => Hits::Charge(n),
-        Charge::DescriptorHits if descriptor.hits_addend.is_some() => Hits::Charge(n),
-        Charge::DescriptorHits | Charge::Never => hits,
+        // `Default` was resolved by the caller; taken as the built-in default all the same.
+        Charge::Default | Charge::DescriptorHits if descriptor.hits_addend.is_some() => {
+            Hits::Charge(n)
+        }
+        Charge::Default | Charge::DescriptorHits | Charge::Never => hits,
     }
 }
 

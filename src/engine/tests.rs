@@ -363,3 +363,50 @@ descriptors:
     );
     assert_eq!(path_of(&[("tenant", "")]).as_deref(), Some("d.tenant_"));
 }
+
+#[test]
+fn the_default_charge_applies_to_limits_that_do_not_say() {
+    let config = config_of(
+        "domain: d\ndescriptors:\n  - key: unset\n    rate_limit: {unit: hour, requests_per_unit: 5}\n  - key: never\n    rate_limit: {unit: hour, requests_per_unit: 5, charge: never}\n",
+    );
+    let hits = |key: &str, default_charge| {
+        let request = Request {
+            domain: "d".to_owned(),
+            descriptors: vec![Descriptor {
+                entries: entries(&[(key, "v")]),
+                ..Default::default()
+            }],
+            hits_addend: 3,
+        };
+        let keys = KeySettings {
+            default_charge,
+            ..KeySettings::default()
+        };
+        plan(&config, &request, &keys).checks[0].hits
+    };
+    assert_eq!(hits("unset", Charge::DescriptorHits), Hits::Take(3));
+    assert_eq!(hits("unset", Charge::Always), Hits::Charge(3));
+    // A limit's own `charge:` wins.
+    assert_eq!(hits("never", Charge::Always), Hits::Take(3));
+    // Envoy's override, which carries no mode, takes the default too.
+    let request = Request {
+        domain: "d".to_owned(),
+        descriptors: vec![Descriptor {
+            entries: entries(&[("other", "v")]),
+            limit_override: Some(LimitOverride {
+                requests_per_unit: 1,
+                unit: Unit::Hour,
+            }),
+            ..Default::default()
+        }],
+        hits_addend: 2,
+    };
+    let keys = KeySettings {
+        default_charge: Charge::Always,
+        ..KeySettings::default()
+    };
+    assert_eq!(
+        plan(&config, &request, &keys).checks[0].hits,
+        Hits::Charge(2)
+    );
+}

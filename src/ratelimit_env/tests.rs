@@ -223,13 +223,48 @@ fn headers_follow_limit_response_headers_enabled() {
     ])
     .expect("supported");
     assert_eq!(value(&default_names, "headers"), Some("ratelimit"));
+    let custom = read(&[
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+        ("LIMIT_LIMIT_HEADER", "X-Quota"),
+        ("LIMIT_REMAINING_HEADER", "X-Left"),
+        ("LIMIT_RESET_HEADER", "X-Again"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&custom, "limit-header"), Some("X-Quota"));
+    assert_eq!(value(&custom, "remaining-header"), Some("X-Left"));
+    assert_eq!(value(&custom, "reset-header"), Some("X-Again"));
     assert!(matches!(
-        read(&[("LIMIT_REMAINING_HEADER", "X-Left")]),
-        Err(EnvError::Unsupported {
-            variable: "LIMIT_REMAINING_HEADER",
+        read(&[("LIMIT_RESET_HEADER", "no spaces")]),
+        Err(EnvError::Invalid {
+            variable: "LIMIT_RESET_HEADER",
             ..
         })
     ));
+}
+
+#[test]
+fn expiry_jitter_and_readonly_reconnects_are_read() {
+    let flags = read(&[
+        ("EXPIRATION_JITTER_MAX_SECONDS", "300"),
+        ("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "true"),
+        ("USE_STATSD", "false"),
+    ])
+    .expect("supported");
+    assert_eq!(value(&flags, "redis-expiry-jitter-seconds"), Some("300"));
+    assert!(flags.notes.is_empty(), "{:?}", flags.notes);
+    // Unset: none (theirs adds up to 300 s).
+    let unset = read(&[]).expect("supported");
+    assert_eq!(value(&unset, "redis-expiry-jitter-seconds"), None);
+    for (variable, value) in [
+        ("EXPIRATION_JITTER_MAX_SECONDS", "-1"),
+        ("EXPIRATION_JITTER_MAX_SECONDS", "5m"),
+        ("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "sometimes"),
+    ] {
+        assert!(
+            matches!(read(&[(variable, value)]), Err(EnvError::Invalid { variable: v, .. }) if v == variable),
+            "{variable}={value}"
+        );
+    }
 }
 
 #[test]
@@ -407,18 +442,16 @@ fn envoy_gateways_variables_mean_xds_over_tls_redis_over_tls_and_a_metrics_port(
     assert_eq!(value(&flags, "redis-tls-key"), Some("/redis-certs/tls.key"));
     assert_eq!(value(&flags, "metrics-addr"), Some("0.0.0.0:19001"));
     assert_eq!(value(&flags, "log-level"), Some("info"));
-    // The CA variable envoyproxy/ratelimit ignores, and the statsd mapping, are noted.
-    assert_eq!(flags.notes.len(), 2, "{:?}", flags.notes);
+    // The statsd mapping is noted; the server's own CA (GRPC_SERVER_TLS_CA_CERT, which
+    // envoyproxy/ratelimit reads no more than rlsd) is accepted without a word, and checks no
+    // client certificate.
+    assert_eq!(flags.notes.len(), 1, "{:?}", flags.notes);
     assert!(
-        flags.notes[0].starts_with("GRPC_SERVER_TLS_CA_CERT"),
+        flags.notes[0].starts_with("PROMETHEUS_MAPPER_YAML"),
         "{:?}",
         flags.notes
     );
-    assert!(
-        flags.notes[1].starts_with("PROMETHEUS_MAPPER_YAML"),
-        "{:?}",
-        flags.notes
-    );
+    assert_eq!(value(&flags, "tls-client-ca"), None);
 }
 
 #[test]
@@ -688,7 +721,7 @@ fn ignored_variables_are_named_in_one_line_with_their_reasons() {
     let flags = read(&[
         ("REDIS_POOL_SIZE", "20"),
         ("REDIS_PIPELINE_WINDOW", "150us"),
-        ("EXPIRATION_JITTER_MAX_SECONDS", "300"),
+        ("LOCAL_CACHE_SIZE_IN_BYTES", "1048576"),
         ("REDIS_STARTUP_MAX_ELAPSED_TIME", "1m"),
         ("MEMCACHE_HOST_PORT", ""),
     ])
@@ -702,7 +735,7 @@ fn ignored_variables_are_named_in_one_line_with_their_reasons() {
     let line = ignored[0];
     for named in [
         "REDIS_POOL_SIZE, REDIS_PIPELINE_WINDOW, because rlsd keeps one multiplexed",
-        "EXPIRATION_JITTER_MAX_SECONDS, because",
+        "LOCAL_CACHE_SIZE_IN_BYTES, because",
         "REDIS_STARTUP_MAX_ELAPSED_TIME, because rlsd starts without waiting for Redis",
     ] {
         assert!(line.contains(named), "{named}: {line}");

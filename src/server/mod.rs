@@ -29,7 +29,9 @@ use tonic::service::Routes;
 use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::health::Health;
+use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use crate::pb::{RateLimitService, RateLimitServiceServer};
+use crate::rlqs::{DemandBoard, MemoryBoard, QuotaService, RlqsSettings};
 use crate::service::{Effect, RateLimiter};
 use crate::store::Store;
 use crate::tls::TlsSettings;
@@ -134,6 +136,34 @@ pub struct ServeOptions {
     pub health_needs_config: bool,
     /// What one client may hold of the server, in time and memory.
     pub limits: ConnectionLimits,
+    /// Envoy's Rate Limit Quota Service on the gRPC listeners too; `None`: off (`--no-rlqs`).
+    pub rlqs: Option<RlqsOptions>,
+}
+
+/// The quota service's settings and where its demands meet.
+#[derive(Clone)]
+pub struct RlqsOptions {
+    /// Bounds and behaviour.
+    pub settings: RlqsSettings,
+    /// The demand board: in process, or the store's (Redis) so replicas agree.
+    pub board: Arc<dyn DemandBoard>,
+}
+
+impl std::fmt::Debug for RlqsOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RlqsOptions")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RlqsOptions {
+    fn default() -> Self {
+        RlqsOptions {
+            settings: RlqsSettings::default(),
+            board: Arc::new(MemoryBoard::default()),
+        }
+    }
 }
 
 /// Bounds on what clients can hold of the server: how long a connection or a request may take
@@ -210,6 +240,7 @@ impl Default for ServeOptions {
             admin_json_writes: false,
             health_needs_config: false,
             limits: ConnectionLimits::default(),
+            rlqs: Some(RlqsOptions::default()),
         }
     }
 }
@@ -275,9 +306,26 @@ pub async fn run_with<S: Store>(
         });
     }
 
-    let reflection = tonic_reflection::server::Builder::configure()
+    let quota = options.rlqs.as_ref().map(|rlqs| {
+        QuotaService::new(
+            Arc::clone(&config),
+            Arc::clone(&rlqs.board),
+            rlqs.settings.clone(),
+            crate::rlqs::metrics::RlqsMetrics::new(metrics.registry()),
+            stop_rx.clone(),
+        )
+    });
+    let mut reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    if quota.is_some() {
+        reflection =
+            reflection.register_encoded_file_descriptor_set(crate::pb::RLQS_FILE_DESCRIPTOR_SET);
+        health
+            .report_also(RateLimitQuotaServiceServer::<QuotaService>::NAME)
+            .await;
+    }
+    let reflection = reflection
         .build_v1()
         .map_err(|error| ServerError::Reflection(error.to_string()))?;
     let tls_watcher = options
@@ -293,6 +341,10 @@ pub async fn run_with<S: Store>(
         // Oversized requests are refused by tonic with OUT_OF_RANGE before decoding.
         rate_limit: RateLimitServiceServer::from_arc(Arc::clone(&limiter))
             .max_decoding_message_size(max_message_bytes),
+        quota: quota.as_ref().map(|quota| {
+            let max = quota.max_report_bytes();
+            RateLimitQuotaServiceServer::new(quota.clone()).max_decoding_message_size(max)
+        }),
         others: Routes::new(health_service)
             .add_service(reflection)
             .prepare(),
@@ -349,9 +401,25 @@ pub async fn run_with<S: Store>(
             Effect::DryRun
         },
     };
-    let debug = listeners
-        .debug
-        .map(|listener| tokio::spawn(http(listener, admin::debug_router(admin_state.clone()))));
+    let quota_view = quota.as_ref().map(QuotaService::view);
+    let debug = listeners.debug.map(|listener| {
+        let mut router = admin::debug_router(admin_state.clone());
+        if let Some(view) = quota_view {
+            router = router.route(
+                "/rlqs",
+                axum::routing::get(move || {
+                    let view = Arc::clone(&view);
+                    async move {
+                        (
+                            [(::http::header::CONTENT_TYPE, "application/json")],
+                            view.render(),
+                        )
+                    }
+                }),
+            );
+        }
+        tokio::spawn(http(listener, router))
+    });
     let admin = http(listeners.http, admin::router(admin_state));
     tokio::join!(grpc, admin);
     for task in [metrics_only, debug].into_iter().flatten() {
@@ -389,6 +457,7 @@ pub async fn serve_unary<T: RateLimitService>(
     let routes = GrpcRoutes {
         rate_limit: RateLimitServiceServer::new(service)
             .max_decoding_message_size(crate::service::RequestLimits::DEFAULT_MAX_MESSAGE_BYTES),
+        quota: None,
         others: Routes::new(health_service).prepare(),
         bodies: body::BodyGuard::new(&bodies),
     };
@@ -422,6 +491,8 @@ const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
 /// (`--redis-command-timeout-ms`), and a client past its deadline has stopped listening.
 struct GrpcRoutes<T: RateLimitService> {
     rate_limit: RateLimitServiceServer<T>,
+    /// `StreamRateLimitQuotas`, unless `--no-rlqs`.
+    quota: Option<RateLimitQuotaServiceServer<QuotaService>>,
     others: Routes,
     /// Every request body is held to these (a clone is a handle for another connection).
     bodies: body::BodyGuard,
@@ -431,6 +502,7 @@ impl<T: RateLimitService> Clone for GrpcRoutes<T> {
     fn clone(&self) -> Self {
         GrpcRoutes {
             rate_limit: self.rate_limit.clone(),
+            quota: self.quota.clone(),
             others: self.others.clone(),
             bodies: self.bodies.clone(),
         }
@@ -448,12 +520,24 @@ impl<T: RateLimitService> hyper::service::Service<::http::Request<Incoming>> for
             .strip_prefix('/')
             .and_then(|path| path.strip_prefix(RateLimitServiceServer::<T>::NAME))
             .is_some_and(|method| method.starts_with('/'));
+        let quota = self.quota.as_ref().filter(|_| {
+            path.strip_prefix('/')
+                .and_then(|path| {
+                    path.strip_prefix(RateLimitQuotaServiceServer::<QuotaService>::NAME)
+                })
+                .is_some_and(|method| method.starts_with('/'))
+        });
+        // A quota stream is Streaming: it holds nothing between reports, so it lives as long as
+        // Envoy keeps it, while a report left half-sent is held to the deadline and budget.
         let shape = if rate_limit || path == HEALTH_CHECK_PATH {
             body::BodyShape::Unary
         } else {
             body::BodyShape::Streaming
         };
         let request = request.map(|body| self.bodies.guard(body, shape));
+        if let Some(quota) = quota {
+            return quota.clone().call(request.map(Body::new));
+        }
         // Both services are always ready (tonic's generated servers and router say so), so
         // `call` needs no `poll_ready` first.
         if rate_limit {

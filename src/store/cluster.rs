@@ -14,8 +14,10 @@
 //! tokens are recomputed in floating point, which can move its reported reset by 1 ms. If a
 //! refund itself fails those hits stay counted until their window passes: never more than one
 //! request's hits, and logged. A denied cross-slot request takes two round trips (three when it gives hits back).
-//! Each request is decided in a task of its own, answered by the caller's deadline; its calls
-//! are awaited up to `--redis-timeout-cap-ms`, and what a late answer committed is given back.
+//! Each request is decided in its caller's task, by the caller's deadline. A caller that stops
+//! waiting first (its deadline, or its client cancelled) hands the request's unfinished work to
+//! the background, where its calls are awaited up to `--redis-timeout-cap-ms` each and what a
+//! late answer committed is given back, within `--redis-max-late-requests` such requests.
 //!
 //! # Keys
 //! Keys carry no hash tag (request values are escaped, so none can plant one): each limit's
@@ -23,11 +25,11 @@
 //! usually span several slots, hence the grouping.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-use tokio::sync::oneshot;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
@@ -39,10 +41,10 @@ use crate::algorithm::{Hits, Params};
 use crate::clock::Clock;
 use crate::limit::Algorithm;
 
-use super::deadline::{Budget, RedisClock};
+use super::deadline::{Budget, DEFAULT_MAX_LATE_REQUESTS, LateCalls, RedisClock};
 use super::redis::{
     ClientIdentity, DEFAULT_COMMAND_TIMEOUT, DEFAULT_TIMEOUT_CAP, ScriptCall, split_reply,
-    time_command, tls_certificates, wait_for,
+    time_command, tls_certificates,
 };
 use super::{Check, Outcome, Store, StoreError, refunds, request_allowed};
 
@@ -64,6 +66,11 @@ pub struct ClusterSettings {
     pub ca_file: Option<std::path::PathBuf>,
     /// A certificate to present to the nodes (`tls-auth-clients yes`).
     pub client_identity: Option<ClientIdentity>,
+    /// Most random time added to the TTL of each key a call writes (0: none).
+    pub expiry_jitter: Duration,
+    /// Most requests whose calls are awaited after their callers stopped waiting; past it such
+    /// a request is let go, and what it commits stays counted.
+    pub max_late_requests: usize,
 }
 
 impl ClusterSettings {
@@ -77,14 +84,15 @@ impl ClusterSettings {
             fixed_clock: None,
             ca_file: None,
             client_identity: None,
+            expiry_jitter: Duration::ZERO,
+            max_late_requests: DEFAULT_MAX_LATE_REQUESTS,
         }
     }
 }
 
 /// State in a Redis Cluster.
 pub struct ClusterStore {
-    /// Shared with the task that decides each request, so a caller that goes away (its client
-    /// cancelled) cannot drop a call in flight, whose hits must then be given back.
+    /// Shared with the requests handed to the background, whose callers stopped waiting.
     inner: Arc<Cluster>,
 }
 
@@ -102,6 +110,9 @@ struct Cluster {
     fixed_clock: Option<Arc<dyn Clock>>,
     /// The nodes' clock, as their replies teach it.
     clock: RedisClock,
+    expiry_jitter: Duration,
+    /// Requests awaited after their callers stopped waiting.
+    late: Arc<LateCalls>,
 }
 
 impl ClusterStore {
@@ -142,10 +153,40 @@ impl ClusterStore {
             clock: RedisClock::new(settings.fixed_clock.clone()),
             connect_timeout: settings.connect_timeout,
             fixed_clock: settings.fixed_clock,
+            expiry_jitter: settings.expiry_jitter,
+            late: LateCalls::new(settings.max_late_requests),
         };
         Ok(ClusterStore {
             inner: Arc::new(inner),
         })
+    }
+}
+
+impl ClusterStore {
+    /// Runs another script (the quota service's) on the node of its key within the command
+    /// timeout; redis-rs sends EVALSHA and reloads the script on NOSCRIPT.
+    ///
+    /// # Errors
+    /// When the cluster cannot be reached, refuses the script or does not answer in time.
+    pub async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let inner = &self.inner;
+        let mut connection = ClusterConnection::clone(&inner.connection.load());
+        match tokio::time::timeout(
+            inner.timeout_cap,
+            invocation.invoke_async::<T>(&mut connection),
+        )
+        .await
+        {
+            Err(_) => Err(StoreError::Timeout(inner.timeout_cap)),
+            Ok(Err(error)) => {
+                inner.rebuild_connection();
+                Err(StoreError::Unavailable(error.to_string()))
+            }
+            Ok(Ok(value)) => Ok(value),
+        }
     }
 }
 
@@ -208,11 +249,13 @@ impl Cluster {
             Call::Deciding | Call::Refunding => {
                 ScriptCall::new(self.fixed_clock.as_deref(), &requests)
             }
-        };
+        }
+        .with_expiry_jitter(self.expiry_jitter);
         let mut connection = ClusterConnection::clone(&self.connection.load());
-        // Awaited up to the cap, past the caller's deadline: this runs in the request's own task
-        // (see `decide_by`), which gives back what a late answer committed. Never retried after
-        // a timeout: the script may have run, and a retry could count twice.
+        // Awaited up to the cap, past the caller's deadline: a caller that stops waiting hands
+        // this to the background (see `decide_by`), which gives back what a late answer
+        // committed. Never retried after a timeout: the script may have run, and a retry could
+        // count twice.
         let call = script_call.run(&mut connection);
         let reply: Vec<u8> = match tokio::time::timeout(self.timeout_cap, call).await {
             Ok(Ok(reply)) => reply,
@@ -388,36 +431,82 @@ impl Store for ClusterStore {
         )
     }
 
+    fn report(&self, metrics: &crate::metrics::Metrics) {
+        let late = &self.inner.late;
+        metrics
+            .redis_late_requests
+            .set(i64::try_from(late.held()).unwrap_or(i64::MAX));
+        metrics
+            .redis_late_requests_let_go
+            .set(i64::try_from(late.let_go()).unwrap_or(i64::MAX));
+    }
+
     async fn decide_by(
         &self,
         checks: &[Check],
         deadline: Option<Instant>,
     ) -> Result<Vec<Outcome>, StoreError> {
-        let inner = &self.inner;
-        let budget = Budget::from_now(deadline, inner.command_timeout, inner.timeout_cap);
-        let (reply, answer) = oneshot::channel();
-        let (inner, checks) = (Arc::clone(inner), checks.to_vec());
-        tokio::spawn(async move {
-            let decided = inner.decide(&checks, deadline).await;
-            // Nobody took the answer: what it committed goes back.
-            if let Err(Ok(outcomes)) = reply.send(decided)
+        let budget = Budget::from_now(deadline, self.inner.command_timeout, self.inner.timeout_cap);
+        let (inner, checks) = (Arc::clone(&self.inner), checks.to_vec());
+        let mut in_flight = Unfinished {
+            cluster: &self.inner,
+            work: Some(Box::pin(async move {
+                let decided = inner.decide(&checks, budget).await;
+                (checks, decided)
+            })),
+        };
+        let decided = match &mut in_flight.work {
+            Some(work) => tokio::time::timeout_at(budget.deadline.into(), work).await,
+            None => return Err(budget.exceeded()),
+        };
+        match decided {
+            Ok((_, decided)) => {
+                in_flight.work = None;
+                decided
+            }
+            // The work goes to the background with `in_flight`.
+            Err(_) => Err(budget.exceeded()),
+        }
+    }
+}
+
+/// A request being decided, with its checks, owned so it can finish in the background.
+type Work = Pin<Box<dyn Future<Output = (Vec<Check>, Result<Vec<Outcome>, StoreError>)> + Send>>;
+
+/// A request's work, awaited by its caller; dropped unfinished (the caller's deadline passed,
+/// or its client cancelled), it is awaited in the background within the late bound, and what
+/// it committed is given back.
+struct Unfinished<'c> {
+    cluster: &'c Arc<Cluster>,
+    work: Option<Work>,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else {
+            return;
+        };
+        let runtime = tokio::runtime::Handle::try_current();
+        let (Some(hold), Ok(runtime)) = (self.cluster.late.hold(1), runtime) else {
+            return;
+        };
+        let cluster = Arc::clone(self.cluster);
+        runtime.spawn(async move {
+            // Each of its calls is bounded by the cap.
+            let (checks, decided) = work.await;
+            if let Ok(outcomes) = decided
                 && request_allowed(&checks, &outcomes)
             {
-                inner.give_back(refunds(&checks, &outcomes)).await;
+                cluster.give_back(refunds(&checks, &outcomes)).await;
             }
+            drop(hold);
         });
-        wait_for(answer, &budget).await
     }
 }
 
 impl Cluster {
-    /// Decides `checks` across their slots; see the module's guarantee.
-    async fn decide(
-        &self,
-        checks: &[Check],
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Outcome>, StoreError> {
-        let budget = Budget::from_now(deadline, self.command_timeout, self.timeout_cap);
+    /// Decides `checks` across their slots within `budget`; see the module's guarantee.
+    async fn decide(&self, checks: &[Check], budget: Budget) -> Result<Vec<Outcome>, StoreError> {
         let groups = group_by_slot(checks);
         // Quota checks in several groups are decided together, here: each group takes them as
         // shadow checks.

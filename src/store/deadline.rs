@@ -10,7 +10,11 @@
 //! Redis clock that stepped meanwhile is seen. Nodes of a Redis Cluster are taken to share one
 //! clock (NTP keeps them within a millisecond or so); an answer that comes too late anyway has its
 //! hits given back (see the Redis store).
+//!
+//! A call still in flight when its caller stops waiting is awaited in the background, for at
+//! most the timeout cap, and [`LateCalls`] bounds how many requests such calls carry at once.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -53,18 +57,18 @@ impl Budget {
         default: Duration,
         cap: Duration,
     ) -> Budget {
+        let wait = match deadline {
+            Some(deadline) => deadline.saturating_duration_since(started),
+            None => default,
+        }
+        .min(cap);
+        let margin = (wait / REPLY_MARGIN_DIVISOR).max(MIN_REPLY_MARGIN);
         // Saturating: a timeout flag of any size must not overflow the clock.
         let after = |wait: Duration| started.checked_add(wait).unwrap_or(started + YEAR);
-        let deadline = deadline
-            .unwrap_or_else(|| after(default))
-            .min(after(cap))
-            .max(started);
-        let margin = (deadline.saturating_duration_since(started) / REPLY_MARGIN_DIVISOR)
-            .max(MIN_REPLY_MARGIN);
         Budget {
             started,
-            deadline,
-            script_deadline: deadline.checked_sub(margin).unwrap_or(started),
+            deadline: after(wait),
+            script_deadline: after(wait.saturating_sub(margin)),
         }
     }
 
@@ -84,6 +88,75 @@ impl Budget {
     }
 }
 
+/// Default bound on requests whose calls are awaited after their callers stopped waiting, per
+/// serving lane (per store on a Cluster).
+pub const DEFAULT_MAX_LATE_REQUESTS: usize = 1_000;
+
+/// Requests whose calls are still awaited after their callers stopped waiting (to give back
+/// what a late reply committed), held to a bound: past it a call is let go, and what it
+/// commits stays counted.
+pub(super) struct LateCalls {
+    held: AtomicUsize,
+    let_go: AtomicU64,
+    bound: usize,
+}
+
+/// Room for some requests among the [`LateCalls`], given back when dropped.
+pub(super) struct LateHold {
+    calls: Arc<LateCalls>,
+    requests: usize,
+}
+
+impl LateCalls {
+    /// Room for at most `bound` requests at once.
+    pub(super) fn new(bound: usize) -> Arc<LateCalls> {
+        Arc::new(LateCalls {
+            held: AtomicUsize::new(0),
+            let_go: AtomicU64::new(0),
+            bound,
+        })
+    }
+
+    /// Room for `requests` more, or `None` (and they are counted as let go) past the bound.
+    pub(super) fn hold(self: &Arc<Self>, requests: usize) -> Option<LateHold> {
+        let room = self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(requests)
+                    .filter(|&total| total <= self.bound)
+            });
+        match room {
+            Ok(_) => Some(LateHold {
+                calls: Arc::clone(self),
+                requests,
+            }),
+            Err(_) => {
+                self.let_go.fetch_add(
+                    u64::try_from(requests).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
+                None
+            }
+        }
+    }
+
+    /// Requests awaited now.
+    pub(super) fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// Requests let go past the bound since start.
+    pub(super) fn let_go(&self) -> u64 {
+        self.let_go.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for LateHold {
+    fn drop(&mut self) {
+        self.calls.held.fetch_sub(self.requests, Ordering::AcqRel);
+    }
+}
+
 /// What rlsd knows of Redis's clock.
 pub(super) struct RedisClock {
     epoch: Instant,
@@ -98,6 +171,8 @@ struct Bound {
     offset_us: i64,
     /// Local µs when it was learned.
     learned_us: u64,
+    /// When it is to be read again ([`FRESH_FOR_US`] after it was learned).
+    stale_at: Instant,
 }
 
 impl RedisClock {
@@ -131,6 +206,9 @@ impl RedisClock {
             *bound = Some(Bound {
                 offset_us: sample,
                 learned_us: local,
+                stale_at: received
+                    .checked_add(Duration::from_micros(FRESH_FOR_US))
+                    .unwrap_or(received),
             });
         }
     }
@@ -138,7 +216,12 @@ impl RedisClock {
     /// `at` on Redis's clock, never later than the truth; `None` before anything was learned,
     /// or when what was learned is too old to trust.
     pub(super) fn redis_us(&self, at: Instant) -> Option<u64> {
-        let now = Instant::now();
+        self.redis_us_as_of(at, Instant::now())
+    }
+
+    /// [`RedisClock::redis_us`] for a caller that read the local clock at `now` an instant ago
+    /// (a clock read saved per request).
+    pub(super) fn redis_us_as_of(&self, at: Instant, now: Instant) -> Option<u64> {
         if let Some(fixed) = &self.fixed {
             let ahead = at.saturating_duration_since(now).as_micros();
             let ahead = u64::try_from(ahead).unwrap_or(u64::MAX);
@@ -147,7 +230,7 @@ impl RedisClock {
             return Some(fixed.now_us().saturating_add(ahead).saturating_sub(behind));
         }
         let bound = (*self.bound.lock().unwrap_or_else(PoisonError::into_inner))?;
-        if self.local_us(now).saturating_sub(bound.learned_us) >= FRESH_FOR_US {
+        if now >= bound.stale_at {
             return None;
         }
         let local = i64::try_from(self.local_us(at)).unwrap_or(i64::MAX);
@@ -179,6 +262,22 @@ mod tests {
             start + ms(1),
             "at least 1 ms for the reply"
         );
+    }
+
+    #[test]
+    fn late_calls_hold_at_most_their_bound_and_count_what_they_let_go() {
+        let late = LateCalls::new(5);
+        let first = late.hold(3).expect("room for 3");
+        assert!(late.hold(3).is_none(), "3 more would pass 5");
+        let second = late.hold(2).expect("room for 2 more");
+        assert!(late.hold(1).is_none());
+        assert_eq!((late.held(), late.let_go()), (5, 4));
+        drop(first);
+        assert_eq!(late.held(), 2);
+        drop(second);
+        assert_eq!(late.held(), 0);
+        assert!(late.hold(6).is_none(), "never more than the bound at once");
+        assert_eq!(late.let_go(), 10);
     }
 
     #[test]

@@ -7,10 +7,12 @@
 //! still decided atomically, all or nothing), so a busy server makes fewer, larger calls and an
 //! idle one sends a lone request at once.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::AsyncConnectionConfig;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelServerType};
@@ -22,7 +24,7 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use crate::algorithm::{Hits, Params, Verdict};
 use crate::clock::Clock;
 
-use super::deadline::{Budget, RedisClock};
+use super::deadline::{Budget, DEFAULT_MAX_LATE_REQUESTS, LateCalls, RedisClock};
 use super::{Check, Outcome, Store, StoreError, refunds, request_allowed};
 
 /// The entry script, embedded so the binary is all one needs.
@@ -65,11 +67,17 @@ pub struct RedisSettings {
     pub client_identity: Option<ClientIdentity>,
     /// Find the master through Redis Sentinel instead of `url`, following failovers.
     pub sentinel: Option<SentinelTarget>,
+    /// Most random time added to the TTL of each key a call writes (0: none); answers never
+    /// see it (`EXPIRATION_JITTER_MAX_SECONDS`).
+    pub expiry_jitter: Duration,
     /// Serving lanes (`server::ServeOptions::lanes`) that each get a connection and batchers of
     /// their own, opened on the lane's thread before it serves; other threads share one. Not
     /// with Sentinel, whose one link follows failovers. A store with lanes serves one server:
     /// a lane's connection lives on that lane's runtime and stops with it.
     pub lanes: usize,
+    /// Most requests, per lane, whose calls are awaited after their callers stopped waiting;
+    /// past it such a call is let go, and what it commits stays counted.
+    pub max_late_requests: usize,
 }
 
 /// Where Redis Sentinel is, and which master it watches.
@@ -95,7 +103,9 @@ impl RedisSettings {
             ca_file: None,
             client_identity: None,
             sentinel: None,
+            expiry_jitter: Duration::ZERO,
             lanes: 0,
+            max_late_requests: DEFAULT_MAX_LATE_REQUESTS,
         }
     }
 }
@@ -228,14 +238,22 @@ struct RedisCaller {
     timeout_cap: Duration,
     fixed_clock: Option<Arc<dyn Clock>>,
     clock: Arc<RedisClock>,
+    expiry_jitter: Duration,
+    /// This lane's calls awaited after their callers stopped waiting.
+    late: Arc<LateCalls>,
 }
+
+/// A script call sent, owning all it needs: a caller that stops waiting hands it to the
+/// background, where its reply is still read.
+type SentCall = Pin<Box<dyn Future<Output = Result<Vec<u8>, StoreError>> + Send>>;
 
 /// A multiplexed connection to `settings.url`, opened on first use and reopened after failures.
 fn direct_connection(settings: &RedisSettings) -> Result<ConnectionManager, StoreError> {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(settings.connect_timeout))
-        // Each call has its own deadline; this only bounds the longest.
-        .set_response_timeout(Some(settings.timeout_cap))
+        // None in redis-rs: every wait on a call is bounded here (the caller's deadline, then
+        // the cap for a late call), and a second timer per call bounded nothing more.
+        .set_response_timeout(None)
         // Reconnect quickly after an outage; every failed call also reconnects.
         .set_min_delay(Duration::from_millis(10))
         .set_max_delay(Duration::from_millis(500))
@@ -253,6 +271,8 @@ impl Lane {
             timeout_cap: settings.timeout_cap,
             fixed_clock: settings.fixed_clock.clone(),
             clock: Arc::clone(clock),
+            expiry_jitter: settings.expiry_jitter,
+            late: LateCalls::new(settings.max_late_requests),
         });
         let queue = (settings.max_batch > 1).then(|| {
             let pipelines = settings.pipelines.max(1);
@@ -286,59 +306,95 @@ impl Lane {
             self.caller.command_timeout,
             self.caller.timeout_cap,
         );
+        let coalescer = match &self.queue {
+            None => return self.caller.decide_one(checks, budget).await,
+            Some(coalescer) => coalescer,
+        };
+        if coalescer.sender.capacity() == coalescer.sender.max_capacity() {
+            // The semaphore is fair: while batches wait for a slot, this fails, and the
+            // request joins them.
+            if let Ok(_slot) = coalescer.calls.try_acquire() {
+                return self.caller.decide_one(checks, budget).await;
+            }
+        }
         let (reply, answer) = oneshot::channel();
         let job = Job {
             checks: checks.to_vec(),
             budget,
             reply,
         };
-        // A call slot for this request alone, or the queue it joins.
-        let direct = match &self.queue {
-            None => Ok(None),
-            // The semaphore is fair: while batches wait for a slot, this fails, and the
-            // request joins them.
-            Some(coalescer) if coalescer.sender.capacity() == coalescer.sender.max_capacity() => {
-                Arc::clone(&coalescer.calls)
-                    .try_acquire_owned()
-                    .map(Some)
-                    .map_err(|_| coalescer)
-            }
-            Some(coalescer) => Err(coalescer),
+        let mut awaiting = Awaiting {
+            caller: &self.caller,
+            checks,
+            answer,
         };
-        match direct {
-            Ok(slot) => {
-                // A task of its own, not this caller's: a caller that goes away (its client
-                // cancelled) must not drop a call in flight, whose hits must then be given back.
-                let caller = Arc::clone(&self.caller);
-                tokio::spawn(async move {
-                    caller.run_jobs(vec![job]).await;
-                    drop(slot);
-                });
-            }
-            Err(coalescer) => {
-                tokio::time::timeout_at(budget.deadline.into(), coalescer.sender.send(job))
-                    .await
-                    .map_err(|_| budget.exceeded())?
-                    .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
-            }
-        }
-        wait_for(answer, &budget).await
+        tokio::time::timeout_at(budget.deadline.into(), coalescer.sender.send(job))
+            .await
+            .map_err(|_| budget.exceeded())?
+            .map_err(|_| StoreError::Unavailable("redis batcher stopped".to_owned()))?;
+        awaiting.wait_for(&budget).await
     }
 }
 
-/// The answer to a request, by its budget's deadline. Past it the channel is closed, so an
-/// answer that comes later is known to be unused (and its hits given back), while one that came
-/// just in time is still taken.
-pub(super) async fn wait_for(
-    mut answer: oneshot::Receiver<Result<Vec<Outcome>, StoreError>>,
-    budget: &Budget,
-) -> Result<Vec<Outcome>, StoreError> {
-    match tokio::time::timeout_at(budget.deadline.into(), &mut answer).await {
-        Ok(answer) => answer
-            .map_err(|_| StoreError::Unavailable("redis batcher dropped the request".to_owned()))?,
-        Err(_) => {
-            answer.close();
-            answer.try_recv().unwrap_or_else(|_| Err(budget.exceeded()))
+/// A queued request's answer, awaited by its caller. Once the caller stops waiting the channel
+/// is closed, so an answer that comes later is known to be unused (the batch gives its hits
+/// back); one that came in time but that a dropped caller never read is given back here.
+struct Awaiting<'c> {
+    caller: &'c Arc<RedisCaller>,
+    checks: &'c [Check],
+    answer: oneshot::Receiver<Result<Vec<Outcome>, StoreError>>,
+}
+
+impl Awaiting<'_> {
+    /// The answer by the budget's deadline; one that came just in time is still taken.
+    async fn wait_for(&mut self, budget: &Budget) -> Result<Vec<Outcome>, StoreError> {
+        match tokio::time::timeout_at(budget.deadline.into(), &mut self.answer).await {
+            Ok(answer) => answer.map_err(|_| {
+                StoreError::Unavailable("redis batcher dropped the request".to_owned())
+            })?,
+            Err(_) => {
+                self.answer.close();
+                self.answer
+                    .try_recv()
+                    .unwrap_or_else(|_| Err(budget.exceeded()))
+            }
+        }
+    }
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        self.answer.close();
+        if let Ok(Ok(outcomes)) = self.answer.try_recv()
+            && request_allowed(self.checks, &outcomes)
+        {
+            self.caller.give_back_later(refunds(self.checks, &outcomes));
+        }
+    }
+}
+
+/// A request's own call, awaited by its caller. If the caller stops waiting with the call
+/// still in flight (its deadline passed, or it was dropped because its client cancelled), the
+/// call goes to the background with a copy of the checks, so what a late reply commits is
+/// given back: only then is anything copied or spawned.
+struct InFlight<'c> {
+    caller: &'c Arc<RedisCaller>,
+    checks: &'c [Check],
+    budget: Budget,
+    call: Option<SentCall>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            // Nobody takes this answer: its sender is dropped with the receiver.
+            let (reply, _) = oneshot::channel();
+            let job = Job {
+                checks: self.checks.to_vec(),
+                budget: self.budget,
+                reply,
+            };
+            self.caller.await_late(vec![job], call);
         }
     }
 }
@@ -352,7 +408,7 @@ impl RedisStore {
     pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
         let link = match &settings.sentinel {
             Some(target) => Link::Sentinel(Arc::new(SentinelLink::new(target, &settings)?)),
-            None => Link::Direct(direct_connection(&settings)?),
+            None => Link::Direct(Box::new(DirectLink::new(&settings)?)),
         };
         if let Link::Sentinel(sentinel) = &link {
             sentinel.reconnect().await;
@@ -403,9 +459,14 @@ impl RedisStore {
         if let Some(lane) = slot.get() {
             return lane;
         }
-        match direct_connection(&self.settings) {
-            Ok(connection) => slot
-                .get_or_init(|| Lane::open(Link::Direct(connection), &self.settings, &self.clock)),
+        match DirectLink::new(&self.settings) {
+            Ok(connection) => slot.get_or_init(|| {
+                Lane::open(
+                    Link::Direct(Box::new(connection)),
+                    &self.settings,
+                    &self.clock,
+                )
+            }),
             Err(error) => {
                 // The shared lane was built from the same settings, so this is not expected.
                 tracing::warn!(%error, "redis: cannot open a lane's connection; sharing one");
@@ -425,9 +486,43 @@ struct Coalescer {
 /// How the store reaches its Redis.
 enum Link {
     /// One server at a known address; the connection manager reconnects by itself.
-    Direct(ConnectionManager),
+    Direct(Box<DirectLink>),
     /// The current master, as Sentinel names it.
     Sentinel(Arc<SentinelLink>),
+}
+
+/// One server at a known address, through a connection manager that reconnects after I/O
+/// failures by itself. A READONLY reply (the server was demoted to a replica, and Redis keeps
+/// its clients connected) replaces the manager, so the next call connects afresh and reaches
+/// whatever master the address now leads to (a DNS name or a proxy that followed a failover).
+struct DirectLink {
+    current: ArcSwap<ConnectionManager>,
+    settings: RedisSettings,
+}
+
+impl DirectLink {
+    fn new(settings: &RedisSettings) -> Result<DirectLink, StoreError> {
+        Ok(DirectLink {
+            current: ArcSwap::from_pointee(direct_connection(settings)?),
+            settings: settings.clone(),
+        })
+    }
+
+    /// Drops `used` for a fresh connection when `result` is a READONLY reply (once, however
+    /// many calls saw it on that connection).
+    fn after<T>(&self, used: &Arc<ConnectionManager>, result: &redis::RedisResult<T>) {
+        let Err(error) = result else { return };
+        if error.kind() != redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) {
+            return;
+        }
+        let Ok(fresh) = direct_connection(&self.settings) else {
+            return;
+        };
+        let previous = self.current.compare_and_swap(used, Arc::new(fresh));
+        if Arc::ptr_eq(&previous, used) {
+            tracing::warn!("redis answered READONLY (a replica now): reconnecting");
+        }
+    }
 }
 
 /// A connection to the master Sentinel points at, replaced after a failure: a master that died
@@ -495,9 +590,12 @@ impl SentinelLink {
 macro_rules! on_link {
     ($caller:expr, |$connection:ident| $call:expr) => {
         match &$caller.link {
-            Link::Direct(connection) => {
-                let mut $connection = connection.clone();
-                $call.await
+            Link::Direct(link) => {
+                let used = link.current.load_full();
+                let mut $connection = ConnectionManager::clone(&used);
+                let result = $call.await;
+                link.after(&used, &result);
+                result
             }
             Link::Sentinel(link) => match link.current.load_full() {
                 Some(connection) => {
@@ -522,7 +620,10 @@ macro_rules! on_link {
 
 impl RedisCaller {
     async fn load_script(&self) -> Result<String, StoreError> {
-        let loaded = on_link!(self, |connection| LOADED.load_async(&mut connection))
+        let load = async { on_link!(self, |connection| LOADED.load_async(&mut connection)) };
+        let loaded = tokio::time::timeout(self.timeout_cap, load)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout_cap))?
             .map_err(|error| StoreError::Unavailable(error.to_string()))?;
         // Learn Redis's clock too, so the first requests carry deadlines without a detour.
         if let Err(error) = self.sync_clock(Instant::now() + self.command_timeout).await {
@@ -581,15 +682,79 @@ impl RedisCaller {
                 if let Link::Sentinel(link) = &self.link {
                     link.reconnect_later();
                 }
-                let caller = Arc::clone(self);
-                tokio::spawn(async move {
-                    let reply = tokio::time::timeout(caller.timeout_cap, reply)
-                        .await
-                        .unwrap_or(Err(StoreError::Timeout(caller.timeout_cap)));
-                    caller.answer(jobs, reply);
-                });
+                self.await_late(jobs, reply);
             }
         }
+    }
+
+    /// Decides one request on a call of its own, awaited in the caller's task; see
+    /// [`InFlight`] for a caller that stops waiting first.
+    async fn decide_one(
+        self: &Arc<Self>,
+        checks: &[Check],
+        budget: Budget,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        // Redis's clock is read once per request; only after a clock read is the time left
+        // looked at again (without one, the budget was made an instant ago).
+        let at = match self
+            .clock
+            .redis_us_as_of(budget.script_deadline, budget.started)
+        {
+            Some(at) => (budget.script_deadline > budget.started).then_some(at),
+            None => {
+                self.sync_clock(budget.deadline).await?;
+                (budget.script_deadline > Instant::now())
+                    .then(|| self.clock.redis_us(budget.script_deadline))
+                    .flatten()
+            }
+        }
+        .ok_or_else(|| budget.exceeded())?;
+        let call = ScriptCall::new(self.fixed_clock.as_deref(), &[(checks, Some(at))])
+            .with_expiry_jitter(self.expiry_jitter);
+        let mut in_flight = InFlight {
+            caller: self,
+            checks,
+            budget,
+            call: Some(Box::pin(Arc::clone(self).send(call))),
+        };
+        let reply = match &mut in_flight.call {
+            Some(call) => tokio::time::timeout_at(budget.deadline.into(), call).await,
+            None => return Err(budget.exceeded()),
+        };
+        let Ok(reply) = reply else {
+            // A master that stopped answering may have been replaced.
+            if let Link::Sentinel(link) = &self.link {
+                link.reconnect_later();
+            }
+            return Err(budget.exceeded());
+        };
+        in_flight.call = None;
+        let received = Instant::now();
+        let (now_us, outcomes) = parse_one(&reply?, checks.len())?;
+        self.clock.observe(now_us, received);
+        outcomes.ok_or_else(|| budget.exceeded())
+    }
+
+    /// Awaits `call`, which carries `jobs`, after their callers stopped waiting: for at most
+    /// the timeout cap, and only while the lane's late requests stay within their bound; the
+    /// hits of what its reply committed are then given back. Past the bound the call is let
+    /// go (its jobs answered as timed out), and what it commits stays counted.
+    fn await_late(self: &Arc<Self>, jobs: Vec<Job>, call: SentCall) {
+        let runtime = tokio::runtime::Handle::try_current();
+        let (Some(hold), Ok(runtime)) = (self.late.hold(jobs.len()), runtime) else {
+            for job in jobs {
+                let _ = job.reply.send(Err(job.budget.exceeded()));
+            }
+            return;
+        };
+        let caller = Arc::clone(self);
+        runtime.spawn(async move {
+            let reply = tokio::time::timeout(caller.timeout_cap, call)
+                .await
+                .unwrap_or(Err(StoreError::Timeout(caller.timeout_cap)));
+            caller.answer(jobs, reply);
+            drop(hold);
+        });
     }
 
     /// The call for `jobs` on Redis's clock (read first if still unknown), and the jobs it
@@ -629,15 +794,24 @@ impl RedisCaller {
             .zip(deadlines)
             .map(|(job, at)| (job.checks.as_slice(), at))
             .collect();
-        let call = ScriptCall::new(self.fixed_clock.as_deref(), &requests);
+        let call = ScriptCall::new(self.fixed_clock.as_deref(), &requests)
+            .with_expiry_jitter(self.expiry_jitter);
         Some((sent, call))
     }
 
     /// Sends `call`; owns everything, so it can finish after its caller stopped waiting.
     async fn send(self: Arc<Self>, call: ScriptCall) -> Result<Vec<u8>, StoreError> {
         // Never retried after a timeout: the script may have run, and a retry could count twice.
-        on_link!(self, |connection| call.run(&mut connection))
-            .map_err(|error| StoreError::Unavailable(error.to_string()))
+        let reply = match &self.link {
+            Link::Direct(link) => {
+                let used = link.current.load_full();
+                let result = call.run_on(&mut ConnectionManager::clone(&used)).await;
+                link.after(&used, &result);
+                result
+            }
+            Link::Sentinel(_) => on_link!(self, |connection| call.run(&mut connection)),
+        };
+        reply.map_err(|error| StoreError::Unavailable(error.to_string()))
     }
 
     /// Answers each job from `reply`; gives back what a request committed when its caller no
@@ -667,11 +841,20 @@ impl RedisCaller {
                 unused.extend(refunds(&job.checks, &outcomes));
             }
         }
-        if !unused.is_empty() {
-            // In a task of its own: the call slot this batch holds is for deciding.
-            let caller = Arc::clone(self);
-            tokio::spawn(async move { caller.give_back(&unused).await });
+        self.give_back_later(unused);
+    }
+
+    /// Gives `unused` back in a task of its own: the call slot a batch holds is for deciding.
+    fn give_back_later(self: &Arc<Self>, unused: Vec<Check>) {
+        if unused.is_empty() {
+            return;
         }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("redis: shutting down; the hits of an unused answer stay counted");
+            return;
+        };
+        let caller = Arc::clone(self);
+        runtime.spawn(async move { caller.give_back(&unused).await });
     }
 
     /// Refunds hits committed for requests whose answers went unused: with no deadline, since
@@ -729,6 +912,20 @@ impl ScriptCall {
         requests: &[(&[Check], Option<u64>)],
     ) -> ScriptCall {
         ScriptCall::build(fixed_clock, requests, true)
+    }
+
+    /// Adds a random 0..=`max` (whole milliseconds) to the TTL of every key the call writes;
+    /// nothing when `max` is zero.
+    pub(super) fn with_expiry_jitter(mut self, max: Duration) -> ScriptCall {
+        let max_ms = u64::try_from(max.as_millis()).unwrap_or(u64::MAX);
+        if max_ms > 0 {
+            // A fresh SipHash key per call (std seeds them randomly): random enough to spread
+            // expiries, without a crate.
+            use std::hash::{BuildHasher, Hasher};
+            let random = std::hash::RandomState::new().build_hasher().finish();
+            self.command.arg(random % max_ms.saturating_add(1));
+        }
+        self
     }
 
     fn build(
@@ -822,6 +1019,27 @@ impl ScriptCall {
         }
     }
 
+    /// [`ScriptCall::run`] on a direct connection, through its own future rather than the
+    /// boxed one of redis-rs's `ConnectionLike`: a request's call is already boxed once.
+    async fn run_on(&self, connection: &mut ConnectionManager) -> redis::RedisResult<Vec<u8>> {
+        let reply = match connection.send_packed_command(&self.command).await {
+            Ok(reply) => reply.extract_error(),
+            Err(error) => Err(error),
+        };
+        let reply = match reply {
+            Err(error)
+                if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                connection
+                    .send_packed_command(&self.with_script_body())
+                    .await?
+                    .extract_error()?
+            }
+            reply => reply?,
+        };
+        Ok(redis::from_redis_value(reply)?)
+    }
+
     /// The same call as `EVAL <script> ...`.
     fn with_script_body(&self) -> redis::Cmd {
         let mut eval = redis::cmd("EVAL");
@@ -832,6 +1050,28 @@ impl ScriptCall {
             }
         }
         eval
+    }
+}
+
+impl RedisStore {
+    /// Runs another script (the quota service's) on the shared connection within the command
+    /// timeout; redis-rs sends EVALSHA and reloads the script on NOSCRIPT.
+    ///
+    /// # Errors
+    /// When Redis cannot be reached, refuses the script or does not answer in time.
+    pub async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let caller = &self.shared.caller;
+        let call = async {
+            on_link!(caller, |connection| invocation
+                .invoke_async::<T>(&mut connection))
+        };
+        tokio::time::timeout(caller.timeout_cap, call)
+            .await
+            .map_err(|_| StoreError::Timeout(caller.timeout_cap))?
+            .map_err(|error| StoreError::Unavailable(error.to_string()))
     }
 }
 
@@ -931,22 +1171,45 @@ async fn run_batches(
 /// checks, allowed 2), as decimal integers separated by spaces. Read byte by byte: through
 /// `str::parse` the reply cost thousands of instructions per request.
 fn parse_reply(reply: &[u8], checks: usize) -> Result<(u64, Vec<Option<Outcome>>), StoreError> {
+    let mut outcomes = Vec::with_capacity(checks);
+    let now_us = read_reply(reply, checks, |outcome| outcomes.push(outcome))?;
+    Ok((now_us, outcomes))
+}
+
+/// The reply to a call of one request: the script's clock, and its outcomes (`None`: the
+/// script reached it past its deadline).
+fn parse_one(reply: &[u8], checks: usize) -> Result<(u64, Option<Vec<Outcome>>), StoreError> {
+    let mut outcomes = Vec::with_capacity(checks);
+    let mut late = false;
+    let now_us = read_reply(reply, checks, |outcome| match outcome {
+        Some(outcome) => outcomes.push(outcome),
+        None => late = true,
+    })?;
+    Ok((now_us, (!late).then_some(outcomes)))
+}
+
+/// Reads the reply of [`parse_reply`], handing each check's outcome to `each`; returns the
+/// script's clock.
+fn read_reply(
+    reply: &[u8],
+    checks: usize,
+    mut each: impl FnMut(Option<Outcome>),
+) -> Result<u64, StoreError> {
     let mut numbers = ReplyNumbers { reply, at: 0 };
     let now_us = numbers
         .next()
         .ok_or_else(|| StoreError::Protocol("script answered nothing".to_owned()))??;
-    let mut outcomes = Vec::with_capacity(checks);
-    for _ in 0..checks {
+    for read in 0..checks {
         let (Some(allowed), Some(remaining), Some(reset)) =
             (numbers.next(), numbers.next(), numbers.next())
         else {
             return Err(StoreError::Protocol(format!(
                 "script answered {} values for {checks} checks",
-                outcomes.len() * 3
+                read * 3
             )));
         };
         let (allowed, remaining, reset_us) = (allowed?, remaining?, reset?);
-        outcomes.push((allowed != LATE).then_some(Outcome {
+        each((allowed != LATE).then_some(Outcome {
             verdict: Verdict {
                 allowed: allowed == 1,
                 remaining,
@@ -960,7 +1223,7 @@ fn parse_reply(reply: &[u8], checks: usize) -> Result<(u64, Vec<Option<Outcome>>
             checks * 3
         )));
     }
-    Ok((now_us, outcomes))
+    Ok(now_us)
 }
 
 /// The `allowed` the script answers for the checks of a request it reached past its deadline.
@@ -978,33 +1241,47 @@ struct ReplyNumbers<'r> {
 impl Iterator for ReplyNumbers<'_> {
     type Item = Result<u64, StoreError>;
 
+    /// One pass over the token: spaces skipped, digits read as they come.
     fn next(&mut self) -> Option<Self::Item> {
-        let rest = &self.reply[self.at..];
-        let start = rest.iter().position(|&byte| byte != b' ')?;
-        let token = &rest[start..];
-        let len = token
-            .iter()
-            .position(|&byte| byte == b' ')
-            .unwrap_or(token.len());
-        let token = &token[..len];
-        self.at += start + len;
-        let mut value: u64 = 0;
-        for &byte in token {
-            let digit = byte.wrapping_sub(b'0');
-            let next = (digit < 10)
-                .then(|| value.checked_mul(10)?.checked_add(u64::from(digit)))
-                .flatten();
-            match next {
-                Some(next) => value = next,
-                None => {
-                    return Some(Err(StoreError::Protocol(format!(
-                        "script answered {:?} where a non-negative integer belongs",
-                        String::from_utf8_lossy(token)
-                    ))));
-                }
-            }
+        let reply = self.reply;
+        let mut at = self.at;
+        while reply.get(at) == Some(&b' ') {
+            at += 1;
         }
-        Some(Ok(value))
+        if at == reply.len() {
+            self.at = at;
+            return None;
+        }
+        let start = at;
+        let mut value: u64 = 0;
+        let mut digits = true;
+        while let Some(&byte) = reply.get(at) {
+            if byte == b' ' {
+                break;
+            }
+            let digit = byte.wrapping_sub(b'0');
+            digits &= digit < 10;
+            value = value.wrapping_mul(10).wrapping_add(u64::from(digit));
+            at += 1;
+        }
+        self.at = at;
+        let token = &reply[start..at];
+        // Up to 19 digits cannot overflow; a longer token is read again with checks.
+        let exact = match token.len() {
+            0..=19 => Some(value),
+            _ => token.iter().try_fold(0_u64, |value, &byte| {
+                value
+                    .checked_mul(10)?
+                    .checked_add(u64::from(byte.wrapping_sub(b'0')))
+            }),
+        };
+        if let (true, Some(value)) = (digits, exact) {
+            return Some(Ok(value));
+        }
+        Some(Err(StoreError::Protocol(format!(
+            "script answered {:?} where a non-negative integer belongs",
+            String::from_utf8_lossy(token)
+        ))))
     }
 }
 
@@ -1015,6 +1292,23 @@ impl Store for RedisStore {
 
     async fn healthy(&self) -> bool {
         self.ping().await
+    }
+
+    fn report(&self, metrics: &crate::metrics::Metrics) {
+        let lanes =
+            std::iter::once(&self.shared).chain(self.lanes.iter().filter_map(OnceLock::get));
+        let (held, let_go) = lanes.fold((0, 0), |(held, let_go), lane| {
+            (
+                held + lane.caller.late.held(),
+                let_go + lane.caller.late.let_go(),
+            )
+        });
+        metrics
+            .redis_late_requests
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
+        metrics
+            .redis_late_requests_let_go
+            .set(i64::try_from(let_go).unwrap_or(i64::MAX));
     }
 
     async fn open_lane(&self) {

@@ -97,7 +97,7 @@ impl RedisCluster {
 
     fn start_node(&mut self, i: usize) {
         let port = self.ports[i];
-        let mut command = Command::new("redis-server");
+        let mut command = Command::new(crate::redis::server_program());
         match &self.tls {
             None => command.args(["--port", &port.to_string()]),
             Some(tls) => crate::redis::tls_only(&mut command, port, &tls.cert, &tls.key, &tls.ca)

@@ -40,6 +40,15 @@ pub struct RedisTls {
     pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
+/// The server binary every launcher runs: `RLSD_TEST_REDIS_SERVER` (a path, such as a Valkey
+/// `valkey-server`, to run the same tests against another server), else `redis-server`.
+pub fn server_program() -> String {
+    std::env::var("RLSD_TEST_REDIS_SERVER")
+        .ok()
+        .filter(|program| !program.is_empty())
+        .unwrap_or_else(|| "redis-server".to_owned())
+}
+
 fn free_port() -> u16 {
     free_ports(1)[0]
 }
@@ -134,10 +143,10 @@ impl RedisServer {
         let mut command = match self.wrapper.split_first() {
             Some((program, args)) => {
                 let mut command = Command::new(program);
-                command.args(args).arg("redis-server");
+                command.args(args).arg(server_program());
                 command
             }
-            None => Command::new("redis-server"),
+            None => Command::new(server_program()),
         };
         match &self.tls {
             None => command.args(["--port", &self.port.to_string()]),

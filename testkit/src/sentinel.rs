@@ -107,7 +107,7 @@ impl RedisSentinel {
     }
 
     fn spawn(&mut self, port: u16, args: Vec<String>) {
-        let child = Command::new("redis-server")
+        let child = Command::new(crate::redis::server_program())
             .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())

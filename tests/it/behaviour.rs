@@ -295,6 +295,43 @@ async fn hits_peek_refund_and_capacity<S: Store>(store: &S, clock: &ManualClock)
     }
 }
 
+/// A charge recorded past the limit answers the state it leaves: nothing remaining, and the
+/// reset a check right after it reports (issue 41: `chg` 5/hour, charged 3 twice, said 2 left).
+async fn a_recorded_charge_reports_what_is_left<S: Store>(store: &S, clock: &ManualClock) {
+    for algorithm in Algorithm::ALL {
+        clock.set(T0 + 5 * S);
+        let key = format!("chg-{algorithm}");
+        let c = |hits| check(&key, algorithm, 5, 3_600 * S, 5, hits);
+        let first = one(store, &c(Hits::Charge(3))).await;
+        assert_eq!((first.allowed, first.remaining), (true, 2), "{algorithm}");
+        let second = one(store, &c(Hits::Charge(3))).await;
+        let after = one(store, &c(Hits::Peek)).await;
+        assert_eq!(
+            (second.allowed, second.remaining),
+            (false, 0),
+            "{algorithm}: the 3 hits were recorded, so nothing is left"
+        );
+        assert_eq!(
+            second, after,
+            "{algorithm}: the answer is the state after it"
+        );
+        if algorithm == Algorithm::FixedWindow {
+            assert_eq!(second.reset_us, 3_600 * S - (T0 + 5 * S) % (3_600 * S));
+        }
+        // More than the capacity at once: recorded too, and answered the same way.
+        let key = format!("chg-big-{algorithm}");
+        let c = |hits| check(&key, algorithm, 5, 3_600 * S, 5, hits);
+        let big = one(store, &c(Hits::Charge(8))).await;
+        let after = one(store, &c(Hits::Peek)).await;
+        assert_eq!(
+            (big.allowed, big.remaining),
+            (false, 0),
+            "{algorithm}: 8 of 5"
+        );
+        assert_eq!(big, after, "{algorithm}: 8 of 5, the state after it");
+    }
+}
+
 async fn denied_requests_consume_nothing<S: Store>(store: &S, clock: &ManualClock) {
     clock.set(T0);
     let plan = check(
@@ -540,6 +577,7 @@ macro_rules! behaviour_suite {
                 token_bucket_refill,
                 hits_peek_refund_and_capacity,
                 refunds_restore_exactly_the_capacity,
+                a_recorded_charge_reports_what_is_left,
                 denied_requests_consume_nothing,
                 a_key_twice_in_one_request,
                 a_clock_stepping_back_grants_nothing,
@@ -608,6 +646,7 @@ async fn cluster_passes_the_whole_suite() {
     token_bucket_refill(&store, &clock).await;
     hits_peek_refund_and_capacity(&store, &clock).await;
     refunds_restore_exactly_the_capacity(&store, &clock).await;
+    a_recorded_charge_reports_what_is_left(&store, &clock).await;
     denied_requests_consume_nothing(&store, &clock).await;
     a_key_twice_in_one_request(&store, &clock).await;
     a_clock_stepping_back_grants_nothing(&store, &clock).await;

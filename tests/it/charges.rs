@@ -33,6 +33,10 @@ fn budgets() -> String {
         ));
     }
     yaml.push_str("  - key: model\n    rate_limit: {unit: hour, requests_per_unit: 1500}\n");
+    yaml.push_str("  - key: chg\n    rate_limit: {unit: hour, requests_per_unit: 5}\n");
+    yaml.push_str(
+        "  - key: chg_always\n    rate_limit: {unit: hour, requests_per_unit: 10, charge: always}\n",
+    );
     yaml
 }
 
@@ -130,12 +134,31 @@ async fn a_charge_lands_in_every_limit_of_the_call(client: &mut RateLimitService
     let charged = call(client, &[(user, Some(1200)), (model, Some(1200))], 0).await;
     assert_eq!(charged.0, Code::OverLimit);
     assert_eq!(
-        charged.1[1],
-        (Code::Ok, 300),
-        "the model budget took the 1200"
+        charged.1,
+        [(Code::OverLimit, 0), (Code::Ok, 300)],
+        "the user budget was charged past its end, the model budget took the 1200"
     );
     let model_left = call(client, &[(model, Some(0))], 0).await;
     assert_eq!(model_left.1, [(Code::Ok, 300)]);
+}
+
+/// Issue 41's sequences: a charge recorded past the limit answers what it leaves, 0, never
+/// the remaining from before it.
+async fn a_recorded_charge_reports_what_is_left(client: &mut RateLimitServiceClient<Channel>) {
+    let chg: &[(&str, &str)] = &[("chg", "v")];
+    assert_eq!(call(client, &[(chg, Some(3))], 0).await.1, [(Code::Ok, 2)]);
+    let second = call(client, &[(chg, Some(3))], 0).await;
+    assert_eq!(second, (Code::OverLimit, vec![(Code::OverLimit, 0)]));
+    assert_eq!(
+        call(client, &[(chg, Some(0))], 0).await.1,
+        [(Code::OverLimit, 0)],
+        "the 3 were recorded"
+    );
+    // The request's own hits under `charge: always`.
+    let always: &[(&str, &str)] = &[("chg_always", "v")];
+    assert_eq!(call(client, &[(always, None)], 8).await.1, [(Code::Ok, 2)]);
+    let second = call(client, &[(always, None)], 5).await;
+    assert_eq!(second, (Code::OverLimit, vec![(Code::OverLimit, 0)]));
 }
 
 /// Plain counting (the request's own hits, no descriptor cost) is unchanged: a denied request
@@ -193,6 +216,7 @@ async fn every_charge_scenario(store: AnyStore) {
     let (mut client, stop) = serve(store).await;
     a_charge_past_the_limit_is_recorded(&mut client).await;
     a_charge_lands_in_every_limit_of_the_call(&mut client).await;
+    a_recorded_charge_reports_what_is_left(&mut client).await;
     plain_counting_denied_takes_nothing(&mut client).await;
     a_refund_lands_on_a_key_in_debt(&mut client).await;
     stop();
@@ -207,6 +231,17 @@ async fn charges_in_process() {
 async fn charges_on_redis() {
     let server = RedisServer::start();
     every_charge_scenario(redis(&server).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_on_a_cluster() {
+    let cluster = rlsd_testkit::cluster::RedisCluster::start();
+    let mut settings = rlsd::store::ClusterSettings::new(cluster.urls());
+    settings.command_timeout = Duration::from_secs(2);
+    let store = rlsd::store::ClusterStore::connect(settings)
+        .await
+        .expect("connect");
+    every_charge_scenario(AnyStore::Cluster(store)).await;
 }
 
 /// `charge: never` keeps a denied request's descriptor costs out, as before; `charge: always`

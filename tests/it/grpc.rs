@@ -156,17 +156,6 @@ async fn malformed_requests_are_invalid_arguments() {
         ),
         (request("shop", vec![]), "descriptor list must not be empty"),
         (
-            request("shop", vec![descriptor(&[])]),
-            "descriptor 0 has no entries",
-        ),
-        (
-            request(
-                "shop",
-                vec![descriptor(&[("user", "a")]), descriptor(&[("", "x")])],
-            ),
-            "descriptor 1 entry 0 has an empty key",
-        ),
-        (
             request("shop", vec![override_unknown]),
             "limit override has unit UNKNOWN",
         ),
@@ -222,6 +211,52 @@ async fn unknown_domains_descriptors_and_whitelists_are_ok_without_a_limit() {
         0,
         "nothing touched the store"
     );
+    server.stop().await;
+}
+
+/// A descriptor with an empty key, or with no entries, is answered OK without a limit, as
+/// envoyproxy/ratelimit answers it (refusing the call turned an allowed request into Envoy's
+/// failure mode), and counted; the rest of the call is decided as usual.
+#[tokio::test]
+async fn descriptors_without_a_key_are_ok_without_a_limit_and_counted() {
+    let server = TestServer::start(LIMITS).await;
+    let req = request(
+        "shop",
+        vec![
+            descriptor(&[("user", "ann")]),
+            descriptor(&[("", "x")]),
+            descriptor(&[]),
+            descriptor(&[("tenant", "t1"), ("", "x")]),
+        ],
+    );
+    for remaining in [2, 1, 0] {
+        let response = ask(&server, req.clone()).await.expect("answered");
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        assert_eq!(response.statuses[0].limit_remaining, remaining);
+        for status in &response.statuses[1..] {
+            assert_eq!(
+                status,
+                &DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                }
+            );
+        }
+    }
+    let denied = ask(&server, req).await.expect("answered");
+    assert_eq!(
+        denied.overall_code,
+        Code::OverLimit as i32,
+        "the user limit"
+    );
+    let (_, metrics) = server.http_get("/metrics").await;
+    for line in [
+        "rlsd_descriptors_skipped_total{reason=\"empty_key\"} 8",
+        "rlsd_descriptors_skipped_total{reason=\"no_entries\"} 4",
+        "rlsd_invalid_requests_total 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
+    }
     server.stop().await;
 }
 
@@ -341,14 +376,14 @@ async fn hits_addend_per_request_per_descriptor_and_refunds() {
         (Code::Ok as i32, 1)
     );
     // The descriptor's own hits win over the request's; they are a charge, recorded even when
-    // over (the bucket owes one token).
+    // over (the bucket owes one token), and answered with what they leave: nothing.
     let mut two = bucket();
     two.hits_addend = Some(2);
     let response = ask(&server, request("shop", vec![two]))
         .await
         .expect("answer");
     assert_eq!(response.overall_code, Code::OverLimit as i32);
-    assert_eq!(response.statuses[0].limit_remaining, 1);
+    assert_eq!(response.statuses[0].limit_remaining, 0);
     // is_negative_hits gives hits back.
     let mut refund = bucket();
     refund.hits_addend = Some(2);
@@ -445,6 +480,37 @@ async fn headers_follow_the_most_restrictive_status() {
         assert_eq!(named("reset").as_deref(), Some("30"), "{style:?}");
         server.stop().await;
     }
+}
+
+/// `--limit-header`, `--remaining-header`, `--reset-header` (envoyproxy/ratelimit's
+/// `LIMIT_*_HEADER`) rename the three headers, in lower case as HTTP/2 sends them.
+#[tokio::test]
+async fn header_names_can_be_chosen() {
+    let settings = rlsd::service::ServiceSettings {
+        headers: HeaderStyle::Ratelimit,
+        header_names: rlsd::service::HeaderNames {
+            limit: Some(http::HeaderName::from_static("x-quota")),
+            remaining: Some(http::HeaderName::from_static("x-left")),
+            reset: None,
+        },
+        ..Default::default()
+    };
+    let server = TestServer::start_settings(LIMITS, settings, 100).await;
+    server.clock.set(T0 + 30_000_000);
+    let response = ask(
+        &server,
+        request("shop", vec![descriptor(&[("user", "ann")])]),
+    )
+    .await
+    .expect("answer");
+    let names: Vec<&str> = response
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert_eq!(names, ["x-quota", "x-left", "ratelimit-reset"]);
+    assert_eq!(header(&response, "x-left"), Some("2"));
+    server.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

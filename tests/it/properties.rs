@@ -221,6 +221,7 @@ fn key_inputs() -> impl Strategy<Value = (KeyParts, Limit)> {
 fn encode(parts: &KeyParts, limit: &Limit) -> String {
     let settings = KeySettings {
         prefix: parts.prefix.clone(),
+        ..KeySettings::default()
     };
     engine::key::encode(
         &settings,
@@ -715,14 +716,13 @@ fn acceptable(request: &RateLimitRequest, limits: &RequestLimits) -> bool {
         && (1..=limits.max_descriptors).contains(&request.descriptors.len())
         && u64::from(request.hits_addend) <= limits.max_hits_addend
         && request.descriptors.iter().all(|d| {
-            (1..=limits.max_entries).contains(&d.entries.len())
+            // No entries, or an empty key, is answered OK without a limit, as the reference does.
+            d.entries.len() <= limits.max_entries
                 && d.hits_addend
                     .is_none_or(|hits| hits <= limits.max_hits_addend)
                 && d.limit.as_ref().is_none_or(|l| (1..=6).contains(&l.unit))
                 && d.entries.iter().all(|e| {
-                    !e.key.is_empty()
-                        && e.key.len() <= limits.max_key_bytes
-                        && e.value.len() <= limits.max_value_bytes
+                    e.key.len() <= limits.max_key_bytes && e.value.len() <= limits.max_value_bytes
                 })
         })
 }

@@ -123,8 +123,8 @@ fn settings_it_cannot_honour_stop_the_start_by_name() {
         ("BACKEND_TYPE", "memcache", "BACKEND_TYPE=memcache"),
         (
             "LIMIT_LIMIT_HEADER",
-            "X-Limit",
-            "LIMIT_LIMIT_HEADER=X-Limit",
+            "X Limit",
+            "LIMIT_LIMIT_HEADER=X Limit",
         ),
     ] {
         let output = exit_of(ratelimit(dir.path()).env(variable, value));
@@ -223,7 +223,7 @@ async fn quota_mode_dynamic_metadata_and_tuning_variables_act_as_in_envoyproxy_r
         .env("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "true")
         .env("REDIS_POOL_SIZE", "20")
         .env("REDIS_PIPELINE_WINDOW", "150us")
-        .env("EXPIRATION_JITTER_MAX_SECONDS", "300");
+        .env("LOCAL_CACHE_SIZE_IN_BYTES", "1048576");
     let rlsd = Rlsd::start(command);
     let mut client = RateLimitServiceClient::connect(format!("http://{}", rlsd.grpc))
         .await
@@ -259,7 +259,7 @@ async fn quota_mode_dynamic_metadata_and_tuning_variables_act_as_in_envoyproxy_r
     assert_eq!(ignored.len(), 1, "{log}");
     for named in [
         "REDIS_POOL_SIZE, REDIS_PIPELINE_WINDOW, because",
-        "EXPIRATION_JITTER_MAX_SECONDS, because",
+        "LOCAL_CACHE_SIZE_IN_BYTES, because",
     ] {
         assert!(ignored[0].contains(named), "{named}: {log}");
     }

@@ -705,3 +705,309 @@ async fn a_big_hits_addend_on_a_sliding_log_writes_one_member() {
     assert_eq!(ask("c", 30_000).await, (Code::Ok, 0));
     rlsd.stop().await;
 }
+
+/// A TCP forwarder on loopback to the port in `target`, read at each new connection: what a
+/// DNS name or a proxy that follows a failover looks like to rlsd.
+async fn forwarder(target: Arc<std::sync::atomic::AtomicU16>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let port = target.load(std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A master demoted with REPLICAOF keeps its clients connected and answers their writes
+/// READONLY; rlsd drops that connection and reconnects, reaching the new master the address
+/// now leads to. Without it, every call would fail until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_turned_replica_is_left_for_the_new_master() {
+    use rlsd::algorithm::{Hits, Params};
+    use rlsd::store::{Check, Store};
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let target = Arc::new(std::sync::atomic::AtomicU16::new(old.port));
+    let addr = forwarder(Arc::clone(&target)).await;
+    let mut settings = RedisSettings::new(format!("redis://{addr}"));
+    settings.command_timeout = Duration::from_secs(2);
+    let store = RedisStore::connect(settings).await.expect("connect");
+    let check = Check {
+        key: "readonly".to_owned(),
+        params: Params {
+            algorithm: Algorithm::FixedWindow,
+            limit: 1_000,
+            period_us: 86_400_000_000,
+            burst: 1_000,
+        },
+        hits: Hits::Take(1),
+        shadow: false,
+        quota_mode: false,
+    };
+    let decide = || store.decide(std::slice::from_ref(&check));
+    for _ in 0..5 {
+        decide().await.expect("the master answers");
+    }
+    // Failover: the new master takes over, the old one follows it, the address moves.
+    assert_eq!(new.cli(&["REPLICAOF", "NO", "ONE"]).as_deref(), Some("OK"));
+    let port = new.port.to_string();
+    assert_eq!(
+        old.cli(&["REPLICAOF", "127.0.0.1", &port]).as_deref(),
+        Some("OK")
+    );
+    target.store(new.port, std::sync::atomic::Ordering::SeqCst);
+    let mut failed = 0;
+    let mut answered = 0;
+    // Traffic goes on: calls on the demoted master fail until rlsd has reconnected.
+    for _ in 0..200 {
+        match decide().await {
+            Ok(_) => answered += 1,
+            Err(_) => failed += 1,
+        }
+        if answered == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(answered, 5, "never reconnected ({failed} calls failed)");
+    // The call that met READONLY fails, and perhaps one met the old master still loading
+    // the new master's (empty) data; never many.
+    assert!(failed <= 10, "{failed} calls failed before the reconnect");
+    assert_eq!(
+        new.cli(&["EXISTS", "readonly"]).as_deref(),
+        Some("1"),
+        "the new master holds the counter"
+    );
+}
+
+/// `--redis-expiry-jitter-seconds` (EXPIRATION_JITTER_MAX_SECONDS): each call adds a random
+/// 0..N s to the TTL of the keys it writes, so the keys of one window expire spread out; the
+/// answers, reset times included, are those of a store without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_jitter_spreads_ttls_within_its_bound_and_changes_no_answer() {
+    use rlsd::algorithm::{Hits, Params};
+    use rlsd::clock::ManualClock;
+    use rlsd::store::{Check, Store};
+    const JITTER_S: u64 = 100;
+    let clock = ManualClock::at(common::T0 + 7_000_000);
+    let store = |redis: &RedisServer, jitter: u64| {
+        let mut settings = RedisSettings::new(redis.url());
+        settings.command_timeout = Duration::from_secs(2);
+        settings.fixed_clock = Some(Arc::new(clock.clone()));
+        settings.max_batch = 1;
+        settings.expiry_jitter = Duration::from_secs(jitter);
+        RedisStore::connect(settings)
+    };
+    let (jittered_redis, plain_redis) = (RedisServer::start(), RedisServer::start());
+    let jittered = store(&jittered_redis, JITTER_S).await.expect("connect");
+    let plain = store(&plain_redis, 0).await.expect("connect");
+    let hour = 3_600_000_000;
+    let check = |key: String, algorithm: Algorithm| Check {
+        key,
+        params: Params {
+            algorithm,
+            limit: 5,
+            period_us: hour,
+            burst: 5,
+        },
+        hits: Hits::Take(2),
+        shadow: false,
+        quota_mode: false,
+    };
+    for algorithm in Algorithm::ALL {
+        for i in 0..4 {
+            let checks = [
+                check(format!("{algorithm}-{i}"), algorithm),
+                check(format!("{algorithm}-{i}"), algorithm),
+            ];
+            assert_eq!(
+                jittered.decide(&checks).await.expect("answer"),
+                plain.decide(&checks).await.expect("answer"),
+                "{algorithm}"
+            );
+        }
+    }
+    // Fixed windows of an hour, 7 s in: 3593 s to the window's end, plus the 1 s of slack.
+    let base_ms = 3_594_000;
+    let mut ttls: Vec<u64> = Vec::new();
+    for i in 0..20 {
+        let key = format!("ttl-{i}");
+        let one = check(key.clone(), Algorithm::FixedWindow);
+        jittered
+            .decide(std::slice::from_ref(&one))
+            .await
+            .expect("answer");
+        ttls.push(
+            jittered_redis
+                .cli(&["PTTL", &key])
+                .and_then(|ttl| ttl.parse().ok())
+                .expect("a TTL"),
+        );
+    }
+    // Real time passes while the test runs, and PTTL counts down with it.
+    for ttl in &ttls {
+        assert!(
+            (base_ms - 10_000..=base_ms + JITTER_S * 1_000).contains(ttl),
+            "{ttl} ms outside the bound: {ttls:?}"
+        );
+    }
+    let spread = ttls.iter().max().unwrap_or(&0) - ttls.iter().min().unwrap_or(&0);
+    assert!(spread > 5_000, "TTLs barely vary: {ttls:?}");
+    plain
+        .decide(&[check("plain-ttl".to_owned(), Algorithm::FixedWindow)])
+        .await
+        .expect("answer");
+    let plain_ttl: u64 = plain_redis
+        .cli(&["PTTL", "plain-ttl"])
+        .and_then(|ttl| ttl.parse().ok())
+        .expect("a TTL");
+    assert!(
+        (base_ms - 10_000..=base_ms).contains(&plain_ttl),
+        "{plain_ttl}"
+    );
+}
+
+/// A one-hit check of a fixed window of `limit` a day on `key`, or a peek at it.
+fn day_check(key: &str, limit: u64, hits: rlsd::algorithm::Hits) -> rlsd::store::Check {
+    rlsd::store::Check {
+        key: key.to_owned(),
+        params: rlsd::algorithm::Params {
+            algorithm: Algorithm::FixedWindow,
+            limit,
+            period_us: 86_400_000_000,
+            burst: 0,
+        },
+        hits,
+        shadow: false,
+        quota_mode: false,
+    }
+}
+
+/// The store's late-call gauges as `/metrics` publishes them: requests awaited after their
+/// callers stopped waiting, and requests let go past the bound.
+fn late_gauges(store: &impl rlsd::store::Store) -> (i64, i64) {
+    let metrics = rlsd::metrics::Metrics::new(0.8);
+    store.report(&metrics);
+    (
+        metrics.redis_late_requests.get(),
+        metrics.redis_late_requests_let_go.get(),
+    )
+}
+
+/// Waits (up to 10 s, polling) until `done` holds; says whether it did.
+async fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        if Instant::now() > until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// A caller dropped while its call is in flight (its client cancelled) leaves nothing counted:
+/// the call is handed to the background, and what Redis committed once it ran is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_dropped_mid_call_has_what_the_call_committed_given_back() {
+    use rlsd::algorithm::Hits;
+    use rlsd::store::Store;
+    let redis = RedisServer::start();
+    let mut settings = RedisSettings::new(redis.url());
+    settings.timeout_cap = Duration::from_secs(10);
+    settings.max_batch = 1;
+    let store = Arc::new(RedisStore::connect(settings).await.expect("connect"));
+    let take = [day_check("dropped", 10, Hits::Take(1))];
+    let peek = [day_check("dropped", 10, Hits::Peek)];
+    let remaining = |answer: Result<Vec<rlsd::store::Outcome>, _>| {
+        answer.expect("answered")[0].verdict.remaining
+    };
+    let long = || Some(Instant::now() + Duration::from_secs(10));
+    assert_eq!(remaining(store.decide_by(&take, long()).await), 9);
+    signal_redis(&redis, "-STOP");
+    {
+        // Polled once at least, so its call is sent; then its caller goes away.
+        let call = store.decide_by(&take, long());
+        tokio::pin!(call);
+        let waited = tokio::time::timeout(Duration::from_millis(200), &mut call).await;
+        assert!(waited.is_err(), "no answer while Redis is stopped");
+    }
+    assert_eq!(late_gauges(&*store), (1, 0), "the call is awaited");
+    signal_redis(&redis, "-CONT");
+    // Redis runs it within its deadline, so it commits; the reply comes back to nobody.
+    assert!(
+        eventually(|| late_gauges(&*store).0 == 0).await,
+        "the late call's reply was read"
+    );
+    // The refund goes out right after the reply: one more round trip at most.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = remaining(store.decide_by(&peek, long()).await);
+        if left == 9 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the dropped caller's hit stayed counted: {left} left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// With Redis stopped, callers that run out of time leave their calls to the background only
+/// up to `max_late_requests`: the rest are let go and counted, and the bound holds however many
+/// give up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_late_bound_calls_are_let_go_and_counted() {
+    use rlsd::algorithm::Hits;
+    use rlsd::store::Store;
+    const BOUND: usize = 3;
+    const CALLERS: usize = 40;
+    let redis = RedisServer::start();
+    let mut settings = RedisSettings::new(redis.url());
+    settings.command_timeout = Duration::from_millis(100);
+    settings.timeout_cap = Duration::from_secs(30);
+    settings.max_late_requests = BOUND;
+    // Every request its own call, so each one that gives up is one late call.
+    settings.max_batch = 1;
+    let store = Arc::new(RedisStore::connect(settings).await.expect("connect"));
+    let take = [day_check("bounded", 1000, Hits::Take(1))];
+    assert!(store.decide_by(&take, None).await.is_ok());
+    signal_redis(&redis, "-STOP");
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            let take = take.clone();
+            tokio::spawn(async move { store.decide_by(&take, None).await })
+        })
+        .collect();
+    for caller in callers {
+        let answer = caller.await.expect("task");
+        assert!(
+            matches!(answer, Err(rlsd::store::StoreError::Timeout(_))),
+            "{answer:?}"
+        );
+    }
+    let (held, let_go) = late_gauges(&*store);
+    signal_redis(&redis, "-CONT");
+    assert_eq!(
+        (held, let_go),
+        (BOUND as i64, (CALLERS - BOUND) as i64),
+        "awaited up to the bound, the rest let go"
+    );
+    assert!(
+        eventually(|| late_gauges(&*store).0 == 0).await,
+        "the awaited calls' replies were read"
+    );
+    // Redis ran every call past its deadline: none of them counted.
+    let peek = [day_check("bounded", 1000, Hits::Peek)];
+    let outcomes = store.decide_by(&peek, None).await.expect("answered");
+    assert_eq!(outcomes[0].verdict.remaining, 999);
+}

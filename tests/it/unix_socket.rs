@@ -25,7 +25,7 @@ const CONFIG: &str = "domain: pipe\ndescriptors:\n  - key: user\n    rate_limit:
 
 /// Connects tonic to a Unix socket: the URI's authority is ignored.
 #[derive(Clone)]
-struct UnixConnector(Arc<PathBuf>);
+pub(crate) struct UnixConnector(pub(crate) Arc<PathBuf>);
 
 impl Service<Uri> for UnixConnector {
     type Response = TokioIo<tokio::net::UnixStream>;

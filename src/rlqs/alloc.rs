@@ -1,0 +1,223 @@
+//! How a bucket's limit is split between the Envoys that report it: max-min fair shares of the
+//! rate, then each share turned into the token bucket Envoy enforces. Pure functions: every
+//! replica that sees the same demands computes the same split.
+
+/// The part of a share handed out as the token bucket's capacity rather than its rate: Envoy
+/// starts every new or changed bucket full, so over one report interval an Envoy admits at most
+/// `capacity + rate x interval`; taking the capacity out of the rate keeps that within its share.
+pub const BURST_SHARE: f64 = 0.05;
+
+/// How far a new rate may be above the one an Envoy holds before it is sent (a change is a fresh
+/// full bucket in Envoy, so small moves are not worth one). Below it, the old rate is kept.
+pub const KEEP_BELOW: f64 = 0.10;
+
+/// How far the held rate may be above the new one and still be kept: small, so kept rates never
+/// sum to more than the limit by more than this (less [`BURST_SHARE`], which is larger).
+pub const KEEP_ABOVE: f64 = 0.02;
+
+/// Max-min fair shares of `limit` (requests per second) for `demands` (requests per second each,
+/// `f64::INFINITY` for an Envoy whose demand is not known yet): every Envoy gets what it asks
+/// for when that is below the fair level, the rest split the remainder equally, and what no one
+/// asks for is spread equally over all of them so that it is there when demand grows. The
+/// shares sum to `limit` (to rounding) whenever there is at least one demand.
+pub fn max_min_shares(limit: f64, demands: &[f64]) -> Vec<f64> {
+    let limit = if limit.is_finite() {
+        limit.max(0.0)
+    } else {
+        0.0
+    };
+    let mut shares = vec![0.0; demands.len()];
+    if demands.is_empty() {
+        return shares;
+    }
+    // Ascending demand, ties by position, so the same input always gives the same split.
+    let mut order: Vec<usize> = (0..demands.len()).collect();
+    let demand = |i: usize| {
+        let d = demands[i];
+        if d.is_nan() { 0.0 } else { d.max(0.0) }
+    };
+    order.sort_by(|&a, &b| demand(a).total_cmp(&demand(b)).then(a.cmp(&b)));
+    let mut left = limit;
+    for (served, &i) in order.iter().enumerate() {
+        let level = left / (demands.len() - served) as f64;
+        let give = demand(i).min(level);
+        shares[i] = give;
+        left -= give;
+    }
+    if left > 0.0 {
+        let spare = left / demands.len() as f64;
+        for share in &mut shares {
+            *share += spare;
+        }
+    }
+    shares
+}
+
+/// A token bucket as Envoy is sent it: `tokens_per_fill` every `fill_interval` (whole seconds,
+/// fixed at one: Envoy ignores a change of seconds alone), at most `max_tokens` held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Tokens added each `fill_seconds`.
+    pub tokens_per_fill: u32,
+    /// Envoy's `fill_interval`, whole seconds: fixed for a limit (Envoy ignores a change of the
+    /// seconds alone), long enough that a small limit still splits into whole tokens.
+    pub fill_seconds: u32,
+    /// Capacity, and the burst a new bucket starts with.
+    pub max_tokens: u32,
+}
+
+/// Seconds of its share an Envoy's token bucket holds: its burst when the bucket is new or
+/// changed (Envoy starts it full), and the slack that lets requests arriving in clumps use the
+/// rate. At Envoy's 5 s interval it is [`BURST_SHARE`] of one interval's share.
+pub const BURST_SECONDS: f64 = 0.25;
+
+/// The token bucket for a share of `share` requests per second: [`BURST_SECONDS`] of it as
+/// capacity (at least two tokens, or a rate near the arrival rate loses half its requests to
+/// rounding), and the share less [`BURST_SHARE`] as the rate, rounded down, so that over one
+/// 5 s interval a fresh bucket admits no more than the share.
+pub fn bucket_for(share: f64, fill_seconds: u32) -> Bucket {
+    let share = if share.is_finite() {
+        share.max(0.0)
+    } else {
+        0.0
+    };
+    let fill_seconds = fill_seconds.max(1);
+    let rate = (share * (1.0 - BURST_SHARE) * f64::from(fill_seconds)).floor();
+    let capacity = (share * BURST_SECONDS).ceil();
+    Bucket {
+        tokens_per_fill: clamp_u32(rate),
+        fill_seconds,
+        max_tokens: clamp_u32(capacity).max(2),
+    }
+}
+
+/// Tokens a whole limit refills with per fill interval, at least: with fewer, shares of a small
+/// limit round down to nothing (60 a minute over four Envoys is 0.25 a second each).
+const FILL_TOKENS: f64 = 100.0;
+/// The longest fill interval: Envoy's refill is continuous, so a long one only sets the grain.
+const MAX_FILL_SECONDS: f64 = 3600.0;
+
+/// The fill interval, in whole seconds, for every token bucket of a limit of `limit` requests
+/// per second: 1 s from 100 a second up, longer below, up to an hour.
+pub fn fill_seconds_for(limit: f64) -> u32 {
+    if !(limit.is_finite() && limit > 0.0) {
+        return 1;
+    }
+    clamp_u32((FILL_TOKENS / limit).ceil().clamp(1.0, MAX_FILL_SECONDS))
+}
+
+/// Whether an Envoy holding `held` should keep it rather than be sent `new`: the rates are
+/// within [`KEEP_BELOW`] under and [`KEEP_ABOVE`] over the new one.
+pub fn keep(held: Bucket, new: Bucket) -> bool {
+    let (held_rate, new_rate) = (
+        f64::from(held.tokens_per_fill),
+        f64::from(new.tokens_per_fill),
+    );
+    held == new
+        || (held.fill_seconds == new.fill_seconds
+            && held_rate >= new_rate * (1.0 - KEEP_BELOW)
+            && held_rate <= new_rate * (1.0 + KEEP_ABOVE))
+}
+
+fn clamp_u32(value: f64) -> u32 {
+    // `as` saturates, and NaN was ruled out by the callers.
+    value as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-6 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn uneven_demand_is_split_max_min() {
+        // 5/15/30/50 % of 3 x 100: 15 is served whole, the other three split the rest.
+        let shares = max_min_shares(100.0, &[15.0, 45.0, 90.0, 150.0]);
+        assert!(close(shares[0], 15.0));
+        for share in &shares[1..] {
+            assert!(close(*share, 85.0 / 3.0), "{shares:?}");
+        }
+    }
+
+    #[test]
+    fn unknown_demand_takes_an_equal_share_and_spare_is_spread() {
+        let shares = max_min_shares(100.0, &[f64::INFINITY, f64::INFINITY]);
+        assert_eq!(shares, vec![50.0, 50.0]);
+        let shares = max_min_shares(100.0, &[10.0, 20.0]);
+        assert!(
+            close(shares[0], 45.0) && close(shares[1], 55.0),
+            "{shares:?}"
+        );
+        assert!(max_min_shares(100.0, &[]).is_empty());
+        assert_eq!(max_min_shares(0.0, &[5.0]), vec![0.0]);
+    }
+
+    #[test]
+    fn buckets_keep_their_burst_inside_the_share() {
+        let bucket = bucket_for(100.0, 1);
+        assert_eq!(bucket.tokens_per_fill, 95);
+        assert_eq!(bucket.max_tokens, 25);
+        // A fresh bucket over one interval: its capacity plus its rate, within the share.
+        assert!(f64::from(bucket.max_tokens) + 5.0 * f64::from(bucket.tokens_per_fill) <= 500.0);
+        assert_eq!(bucket_for(0.0, 1).max_tokens, 2);
+        assert_eq!(bucket_for(f64::NAN, 1).tokens_per_fill, 0);
+    }
+
+    #[test]
+    fn small_moves_keep_the_held_bucket() {
+        let held = bucket_for(100.0, 1);
+        assert!(keep(held, bucket_for(104.0, 1)));
+        assert!(keep(held, bucket_for(99.0, 1)));
+        assert!(!keep(held, bucket_for(120.0, 1)));
+        assert!(!keep(held, bucket_for(90.0, 1)));
+    }
+
+    proptest! {
+        #[test]
+        fn shares_never_exceed_the_limit_and_are_max_min_fair(
+            limit in 0.0f64..1e6,
+            demands in prop::collection::vec(prop_oneof![Just(f64::INFINITY), 0.0f64..1e6], 0..12),
+        ) {
+            let shares = max_min_shares(limit, &demands);
+            let total: f64 = shares.iter().sum();
+            prop_assert!(total <= limit * (1.0 + 1e-9) + 1e-9);
+            if !demands.is_empty() {
+                prop_assert!(close(total, limit), "shares {shares:?} sum {total}, limit {limit}");
+            }
+            // Max-min: an Envoy that got less than it asked for has no less than anyone else
+            // (before the spread of spare, which only happens when everyone is served).
+            for (i, share) in shares.iter().enumerate() {
+                if *share < demands[i] * (1.0 - 1e-9) - 1e-9 {
+                    for other in &shares {
+                        prop_assert!(*share >= *other * (1.0 - 1e-9) - 1e-9);
+                    }
+                }
+            }
+            // Buckets from shares never sum to more than the limit per second.
+            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s, 1).tokens_per_fill)).sum();
+            prop_assert!(rates as f64 <= limit + 1e-6);
+        }
+    }
+
+    #[test]
+    fn a_small_limit_splits_into_whole_tokens_over_a_longer_fill_interval() {
+        // 60 a minute over four Envoys: a quarter of a request a second each.
+        let fill = fill_seconds_for(1.0);
+        assert_eq!(fill, 100);
+        let bucket = bucket_for(0.25, fill);
+        assert_eq!(bucket.tokens_per_fill, 23, "0.95 x 0.25 x 100");
+        let rate = f64::from(bucket.tokens_per_fill) / f64::from(bucket.fill_seconds);
+        assert!(rate > 0.2 && rate <= 0.25, "{rate}");
+        assert_eq!(fill_seconds_for(200.0), 1);
+        assert_eq!(fill_seconds_for(1.0 / 3600.0), 3600);
+        assert_eq!(fill_seconds_for(0.0), 1);
+        assert!(
+            !keep(bucket_for(0.25, 100), bucket_for(0.25, 1)),
+            "another interval is a change"
+        );
+    }
+}
