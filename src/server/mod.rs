@@ -482,6 +482,13 @@ pub async fn serve_unary<T: RateLimitService>(
     Ok(())
 }
 
+/// Whether the gRPC request `path` (`/package.Service/Method`) calls a method of `service`.
+fn calls_service(path: &str, service: &str) -> bool {
+    path.strip_prefix('/')
+        .and_then(|path| path.strip_prefix(service))
+        .is_some_and(|method| method.starts_with('/'))
+}
+
 /// gRPC health's one unary method; its `Watch` streams.
 const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
 
@@ -516,17 +523,11 @@ impl<T: RateLimitService> hyper::service::Service<::http::Request<Incoming>> for
 
     fn call(&self, request: ::http::Request<Incoming>) -> Self::Future {
         let path = request.uri().path();
-        let rate_limit = path
-            .strip_prefix('/')
-            .and_then(|path| path.strip_prefix(RateLimitServiceServer::<T>::NAME))
-            .is_some_and(|method| method.starts_with('/'));
-        let quota = self.quota.as_ref().filter(|_| {
-            path.strip_prefix('/')
-                .and_then(|path| {
-                    path.strip_prefix(RateLimitQuotaServiceServer::<QuotaService>::NAME)
-                })
-                .is_some_and(|method| method.starts_with('/'))
-        });
+        let rate_limit = calls_service(path, RateLimitServiceServer::<T>::NAME);
+        let quota = self
+            .quota
+            .as_ref()
+            .filter(|_| calls_service(path, RateLimitQuotaServiceServer::<QuotaService>::NAME));
         // A quota stream is Streaming: it holds nothing between reports, so it lives as long as
         // Envoy keeps it, while a report left half-sent is held to the deadline and budget.
         let shape = if rate_limit || path == HEALTH_CHECK_PATH {
