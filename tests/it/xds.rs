@@ -514,18 +514,8 @@ async fn ratelimit_serves_with_envoy_gateways_environment_over_tls() {
         .await
         .expect("TLS connect");
     let mut client = RateLimitServiceClient::new(channel);
-    // A serving lane may still be opening its TLS connection to Redis when "serving" is
-    // logged (a debug build takes longer than the 20 ms budget for it): a request on its own
-    // counter waits for that, so the answers below are Redis's.
-    for _ in 0..100 {
-        let warm = client
-            .should_rate_limit(request("xds", vec![descriptor(&[("gateway", "warm-up")])]))
-            .await;
-        if warm.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // No warm-up: every serving lane connects to Redis (TLS, AUTH, script) before it serves,
+    // so the first call is already Redis's.
     let mut answers = Vec::new();
     for _ in 0..3 {
         let answer = client
