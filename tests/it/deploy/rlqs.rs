@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::TypedExtensionConfig as CoreExtension;
 use envoy_types::pb::envoy::extensions::filters::http::rate_limit_quota::v3 as quota;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
 use envoy_types::pb::envoy::r#type::matcher::v3::HttpRequestHeaderMatchInput;
 use envoy_types::pb::envoy::r#type::v3::RateLimitStrategy;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy as FallbackStrategy;
@@ -25,7 +26,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::envoy::{
     Filter, Sample, as_std, assert_http2, bootstrap_text, cluster_named, connection_managers,
-    http_filter, only, only_endpoint, unpack,
+    envoy_message, http_filter, only, only_endpoint, unpack,
 };
 use super::{default_port, load_config, path, read};
 use crate::common::process::{Rlsd, command};
@@ -370,7 +371,11 @@ fn bucket_of(
 /// The quota filter of an Envoy bootstrap (one connection manager, one quota filter), and the
 /// parsed YAML.
 pub(super) fn quota_bootstrap(relative: &str) -> (Value, quota::RateLimitQuotaFilterConfig) {
-    let (yaml, built) = bootstrap_text(relative, &read(relative));
+    quota_bootstrap_text(relative, &read(relative))
+}
+
+fn quota_bootstrap_text(relative: &str, text: &str) -> (Value, quota::RateLimitQuotaFilterConfig) {
+    let (yaml, built) = bootstrap_text(relative, text);
     let managers = connection_managers(&built);
     assert_eq!(managers.len(), 1, "{relative}: one HTTP connection manager");
     let mut quota_filters: Vec<quota::RateLimitQuotaFilterConfig> = Vec::new();
@@ -477,8 +482,13 @@ fn written(rule: &BucketRule) -> Bucket {
 /// Every bucket id of [`CASES`], checked against the Envoy file and the rlsd config, with the
 /// rule each lands on.
 fn checked_buckets() -> Vec<(Bucket, BucketRule)> {
-    let (_, filter) = quota_bootstrap(ENVOY);
-    let domain = load_config(RLSD, RLSD, &read(RLSD));
+    checked_buckets_of(&read(ENVOY), &read(RLSD))
+}
+
+/// [`checked_buckets`] of an Envoy file and an rlsd config given as text.
+fn checked_buckets_of(envoy: &str, rlsd: &str) -> Vec<(Bucket, BucketRule)> {
+    let (_, filter) = quota_bootstrap_text(ENVOY, envoy);
+    let domain = load_config(RLSD, RLSD, rlsd);
     assert_eq!(
         filter.domain, domain.name,
         "{ENVOY}: the filter's domain must be the `domain:` of {RLSD}"
@@ -529,6 +539,132 @@ fn envoy_rlqs_bucket_ids_meet_the_items_written_for_them() {
     let quotas: Vec<Quota> = buckets.iter().map(|(_, rule)| rule.quota).collect();
     assert!(quotas.contains(&Quota::Unlimited) && quotas.contains(&Quota::Zero));
     assert!(quotas.iter().any(|q| matches!(q, Quota::PerSecond(_))));
+}
+
+#[test]
+fn a_bucket_id_off_its_item_or_unreported_fails_the_check() {
+    let (envoy, rlsd) = (read(ENVOY), read(RLSD));
+    let fails = |envoy: &str, rlsd: &str| {
+        std::panic::catch_unwind(|| checked_buckets_of(envoy, rlsd)).is_err()
+    };
+    assert!(!fails(&envoy, &rlsd), "the files as they are pass");
+    let replace = |text: &str, from: &str, to: &str| {
+        assert!(text.contains(from), "{from}");
+        text.replacen(from, to, 1)
+    };
+    for (from, to) in [
+        // A bucket id key rlsd's items do not name: gold and blocked tenants would get 50/s.
+        (
+            "                                        tenant:\n",
+            "                                        team:\n",
+        ),
+        // A misspelt prefix: checkout requests land in {name: other}.
+        ("prefix: /checkout", "prefix: /check0ut"),
+        // The bucket id from a header the predicate does not require: unreported without it.
+        (
+            "                                              header_name: x-tenant\n",
+            "                                              header_name: x-tenant-id\n",
+        ),
+    ] {
+        assert!(
+            fails(&replace(&envoy, from, to), &rlsd),
+            "{ENVOY}: {from} -> {to} passes"
+        );
+    }
+    // No on_no_match: the rest passes unreported.
+    let start = envoy
+        .find("                        on_no_match:")
+        .expect("on_no_match");
+    let end = envoy
+        .find("                  - name: envoy.filters.http.router")
+        .expect("router");
+    let without = format!("{}{}", &envoy[..start], &envoy[end..]);
+    assert!(
+        fails(&without, &rlsd),
+        "{ENVOY}: without on_no_match passes"
+    );
+    for (from, to) in [
+        ("tenant: \"gold-*\"", "tenant: \"gold*x\""),
+        ("name: api, tenant: blocked", "name: api, tenant: block"),
+        ("bucket: {name: checkout}", "bucket: {name: check-out}"),
+    ] {
+        assert!(
+            fails(&envoy, &replace(&rlsd, from, to)),
+            "{RLSD}: {from} -> {to} passes"
+        );
+    }
+}
+
+#[test]
+fn the_quota_filter_model_refuses_what_envoy_refuses_or_ignores() {
+    let yaml: Value = serde_saphyr::from_str(&read(ENVOY)).expect("YAML");
+    let manager = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config";
+    let good = yaml
+        .pointer(&format!("{manager}/http_filters/0"))
+        .expect("the quota filter")
+        .clone();
+    let read_filter = |value: &Value| {
+        std::panic::catch_unwind(|| {
+            let filter: hcm::HttpFilter = envoy_message("test", value);
+            matches!(http_filter("test", &filter), Filter::Quota(_))
+        })
+    };
+    assert!(read_filter(&good).expect("well formed"));
+    let config = "/typed_config";
+    let first = format!("{config}/bucket_matchers/matcher_list/matchers/0");
+    let action = format!("{first}/on_match/action");
+    let settings = format!("{action}/typed_config");
+    let spoiled = |pointer: &str, value: Option<Value>| {
+        let mut spoiled = good.clone();
+        let (parent, key) = pointer.rsplit_once('/').expect("a pointer");
+        let parent = spoiled.pointer_mut(parent).and_then(Value::as_object_mut);
+        let parent = parent.unwrap_or_else(|| panic!("no {pointer}"));
+        match value {
+            Some(value) => parent.insert(key.to_owned(), value),
+            None => parent.remove(key),
+        };
+        spoiled
+    };
+    let blanket =
+        |rule: &str| serde_json::json!({ "fallback_rate_limit": { "blanket_rule": rule } });
+    for (pointer, value) in [
+        // Envoy's schema: a misspelt field, an enum name, a type, a duration.
+        (format!("{config}/domian"), Some("web".into())),
+        (format!("{settings}/no_assignment_behavior"), Some(blanket("ALLOW"))),
+        (format!("{settings}/@type"), Some("type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.BucketSettings".into())),
+        (format!("{settings}/reporting_interval"), Some("5 s".into())),
+        // Envoy's validation rules.
+        (format!("{config}/domain"), None),
+        (format!("{config}/rlqs_server"), None),
+        (format!("{settings}/reporting_interval"), Some("0.1s".into())),
+        (format!("{settings}/bucket_id_builder/bucket_id_builder"), Some(serde_json::json!({}))),
+        (format!("{action}/name"), None),
+        (format!("{first}/predicate/single_predicate/input/name"), None),
+        (format!("{first}/predicate/single_predicate/value_match"), Some(serde_json::json!({ "prefix": "" }))),
+        // What Envoy ignores or would not report, and what these checks do not model.
+        (format!("{settings}/bucket_id_builder"), None),
+        (format!("{settings}/no_assignment_behavior"), None),
+        (format!("{settings}/expired_assignment_behavior"), None),
+        (
+            format!("{settings}/expired_assignment_behavior"),
+            Some(serde_json::json!({
+                "reuse_last_assignment": {},
+                "expired_assignment_behavior_timeout": "60s",
+            })),
+        ),
+        (
+            format!("{settings}/no_assignment_behavior"),
+            Some(serde_json::json!({
+                "fallback_rate_limit": { "requests_per_time_unit": { "requests_per_time_unit": 10, "time_unit": "SECOND" } },
+            })),
+        ),
+        (format!("{first}/on_match/keep_matching"), Some(true.into())),
+        (format!("{config}/filter_enforced"), Some(serde_json::json!({ "default_value": { "numerator": 0 } }))),
+        (format!("{config}/rlqs_server/timeout"), Some("1s".into())),
+    ] {
+        let bad = spoiled(&pointer, value);
+        assert!(read_filter(&bad).is_err(), "accepted {pointer}: {bad}");
+    }
 }
 
 /// The answer rlsd must give a bucket held to `quota`.
