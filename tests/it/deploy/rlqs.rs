@@ -28,7 +28,8 @@ use super::envoy::{
     Filter, Sample, as_std, assert_http2, bootstrap_text, cluster_named, connection_managers,
     envoy_message, http_filter, only, only_endpoint, unpack,
 };
-use super::{default_port, load_config, path, read};
+use super::kubernetes::{RlsdSettings, mounted_volume, object, rlsd_in};
+use super::{Tree, default_port, flag, load_config, path, read};
 use crate::common::process::{Rlsd, command};
 
 /// The filter's name in Envoy's HTTP filter chain.
@@ -665,6 +666,39 @@ fn the_quota_filter_model_refuses_what_envoy_refuses_or_ignores() {
         let bad = spoiled(&pointer, value);
         assert!(read_filter(&bad).is_err(), "accepted {pointer}: {bad}");
     }
+}
+
+/// The shared rlsd of `kubernetes/standalone.yaml` serves this domain too, RLQS on: Envoys
+/// anywhere in the cluster point their `rlsd` cluster at its Service.
+#[test]
+fn the_standalone_rlsd_serves_the_rlqs_domain() {
+    let file = "deploy/kubernetes/standalone.yaml";
+    let (docs, deployment, container) = rlsd_in(file);
+    let settings = RlsdSettings::of(&container, file);
+    assert_ne!(flag("--no-rlqs").get_long(), None);
+    assert_ne!(
+        settings.get("--no-rlqs"),
+        Some("true"),
+        "{file}: RLQS is off"
+    );
+    let config = settings.get("--config").expect("--config");
+    let pod = deployment.at("spec.template.spec");
+    let volume = mounted_volume(file, pod, &container, config);
+    let cm = object(
+        &docs,
+        "ConfigMap",
+        volume.str("configMap.name").expect("a ConfigMap"),
+    );
+    let data = cm.expect("the ConfigMap").at("data");
+    let copies = data
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(key, text)| {
+            let text = text.as_str().expect("a string");
+            (text == read(RLSD)).then_some(key)
+        });
+    assert_eq!(copies.count(), 1, "{file}: one copy of {RLSD}");
 }
 
 /// The answer rlsd must give a bucket held to `quota`.
