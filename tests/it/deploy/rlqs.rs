@@ -668,6 +668,37 @@ fn the_quota_filter_model_refuses_what_envoy_refuses_or_ignores() {
     }
 }
 
+/// docs/rlqs.md's snippet is a quota filter Envoy reads, with the file's first matcher.
+#[test]
+fn the_docs_snippet_is_the_files_filter() {
+    let docs = read("docs/rlqs.md");
+    let section = &docs[docs.find("\n## Envoy\n").expect("an Envoy section")..];
+    let start = section.find("```yaml\n").expect("a YAML snippet") + "```yaml\n".len();
+    let snippet = &section[start..][..section[start..].find("```").expect("its end")];
+    let items: Vec<Value> = serde_saphyr::from_str(snippet).expect("YAML");
+    let filter: hcm::HttpFilter = envoy_message("docs/rlqs.md", &items[0]);
+    let Filter::Quota(documented) = http_filter("docs/rlqs.md", &filter) else {
+        panic!("docs/rlqs.md: not the quota filter");
+    };
+    let (_, file) = quota_bootstrap(ENVOY);
+    assert_eq!(documented.domain, file.domain);
+    let first = |m: &quota::RateLimitQuotaFilterConfig| {
+        let Some(xds::matcher::MatcherType::MatcherList(list)) = m
+            .bucket_matchers
+            .as_ref()
+            .and_then(|m| m.matcher_type.as_ref())
+        else {
+            unreachable!("checked");
+        };
+        list.matchers[0].clone()
+    };
+    assert_eq!(
+        first(&documented),
+        first(&file),
+        "docs/rlqs.md: the first matcher"
+    );
+}
+
 /// The shared rlsd of `kubernetes/standalone.yaml` serves this domain too, RLQS on: Envoys
 /// anywhere in the cluster point their `rlsd` cluster at its Service.
 #[test]
