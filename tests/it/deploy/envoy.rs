@@ -14,6 +14,7 @@ use envoy_types::pb::envoy::config::core::v3 as core;
 use envoy_types::pb::envoy::config::listener::v3 as listener;
 use envoy_types::pb::envoy::config::ratelimit::v3::RateLimitServiceConfig;
 use envoy_types::pb::envoy::config::route::v3 as route;
+use envoy_types::pb::envoy::extensions::filters::http::rate_limit_quota::v3::RateLimitQuotaFilterConfig;
 use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3 as rl_filter;
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
@@ -25,6 +26,7 @@ use prost_reflect::{DescriptorPool, DynamicMessage};
 use serde_json::Value;
 
 use super::kubernetes::RlsdSettings;
+use super::rlqs::{QUOTA_FILTER, quota_bootstrap, quota_filter};
 use super::{EXAMPLE, ROOT, Tree, default_port, example_domain, limited_node, limited_paths, read};
 
 // === Envoy's schema ==============================================================================
@@ -33,10 +35,12 @@ use super::{EXAMPLE, ROOT, Tree, default_port, example_domain, limited_node, lim
 // unknown fields, unknown `@type`s, misspelt enum names and malformed durations refused.
 
 /// The proto files declaring every message our files write, `Any` payloads included.
-const PROTOS: [&str; 5] = [
+const PROTOS: [&str; 7] = [
     "envoy/config/bootstrap/v3/bootstrap.proto",
     "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
     "envoy/extensions/filters/http/ratelimit/v3/rate_limit.proto",
+    "envoy/extensions/filters/http/rate_limit_quota/v3/rate_limit_quota.proto",
+    "envoy/type/matcher/v3/http_inputs.proto",
     "envoy/extensions/filters/http/router/v3/router.proto",
     "envoy/extensions/upstreams/http/v3/http_protocol_options.proto",
 ];
@@ -159,6 +163,25 @@ pub(super) fn envoy_bootstrap(relative: &str) -> (Value, EnvoyRateLimiting) {
 }
 
 pub(super) fn envoy_bootstrap_text(what: &str, text: &str) -> (Value, EnvoyRateLimiting) {
+    let (yaml, built) = bootstrap_text(what, text);
+    (yaml, rate_limiting(&built))
+}
+
+/// Checks one Envoy bootstrap of `deploy/`: with the quota filter as an RLQS client of rlsd,
+/// otherwise as a client of its `ShouldRateLimit`.
+pub(super) fn check_envoy_bootstrap(relative: &str) {
+    let (_, built) = bootstrap_text(relative, &read(relative));
+    let managers = connection_managers(&built);
+    let filters = managers.iter().flat_map(|m| &m.http_filters);
+    if filters.clone().any(|f| f.name == QUOTA_FILTER) {
+        drop(quota_bootstrap(relative));
+    } else {
+        drop(envoy_bootstrap(relative));
+    }
+}
+
+/// A bootstrap, parsed and read into Envoy's message, its clusters checked.
+pub(super) fn bootstrap_text(what: &str, text: &str) -> (Value, bootstrap::Bootstrap) {
     let yaml: Value = serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}"));
     let built: bootstrap::Bootstrap = envoy_message(what, &yaml);
     only!(
@@ -187,16 +210,36 @@ pub(super) fn envoy_bootstrap_text(what: &str, text: &str) -> (Value, EnvoyRateL
         let assignment = c.load_assignment.as_ref().expect("load_assignment");
         assert_eq!(assignment.cluster_name, c.name, "{what}: {}", c.name);
     }
-    (yaml, rate_limiting(&built))
+    (yaml, built)
+}
+
+/// The HTTP filters modelled here, each with its config.
+pub(super) enum Filter {
+    /// `envoy.filters.http.ratelimit`: `ShouldRateLimit` per request.
+    RateLimit(Box<rl_filter::RateLimit>),
+    /// `envoy.filters.http.rate_limit_quota`: an RLQS client.
+    Quota(Box<RateLimitQuotaFilterConfig>),
+    /// `envoy.filters.http.router`.
+    Router,
 }
 
 /// The rate limit filter's config, or `None` for the router; any other filter is not modelled.
 pub(super) fn rate_limit_filter(what: &str, f: &hcm::HttpFilter) -> Option<rl_filter::RateLimit> {
+    match http_filter(what, f) {
+        Filter::RateLimit(filter) => Some(*filter),
+        Filter::Router => None,
+        Filter::Quota(_) => panic!("{what}: {QUOTA_FILTER} where the ratelimit filter belongs"),
+    }
+}
+
+/// An HTTP filter, read and checked; a filter not modelled here fails.
+pub(super) fn http_filter(what: &str, f: &hcm::HttpFilter) -> Filter {
     only!(what, *f, hcm::HttpFilter { name, config_type });
     let Some(hcm::http_filter::ConfigType::TypedConfig(any)) = &f.config_type else {
         panic!("{what}: HTTP filter {} without typed_config", f.name);
     };
     match f.name.as_str() {
+        QUOTA_FILTER => Filter::Quota(Box::new(quota_filter(what, any))),
         "envoy.filters.http.ratelimit" => {
             let filter: rl_filter::RateLimit = unpack(what, any);
             #[rustfmt::skip]
@@ -231,11 +274,11 @@ pub(super) fn rate_limit_filter(what: &str, f: &hcm::HttpFilter) -> Option<rl_fi
                     authority
                 }
             );
-            Some(filter)
+            Filter::RateLimit(Box::new(filter))
         }
         "envoy.filters.http.router" => {
             let _: Router = unpack(what, any);
-            None
+            Filter::Router
         }
         other => panic!("{what}: HTTP filter {other} is not modelled by tests/it/deploy/"),
     }
@@ -249,12 +292,12 @@ pub(super) struct EnvoyRateLimiting {
     pub(super) use_remote_address: bool,
 }
 
-/// Unpacks what matters for rate limiting from a built bootstrap, through the encoded `Any`s.
-fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
-    use hcm::http_connection_manager::RouteSpecifier;
+/// Every HTTP connection manager of a built bootstrap, through the encoded `Any`s, checked for
+/// what every file here must be: listeners, filters and routes of the modelled kinds, the
+/// router last, routes to clusters that exist.
+pub(super) fn connection_managers(built: &bootstrap::Bootstrap) -> Vec<hcm::HttpConnectionManager> {
     let resources = built.static_resources.as_ref().expect("static_resources");
     let clusters: BTreeSet<&str> = resources.clusters.iter().map(|c| c.name.as_str()).collect();
-    let mut found = Vec::new();
     let mut filters = Vec::new();
     for l in &resources.listeners {
         only!(
@@ -271,6 +314,7 @@ fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
             filters.extend(&chain.filters);
         }
     }
+    let mut managers = Vec::new();
     for f in filters {
         only!(f.name, *f, listener::Filter { name, config_type });
         let Some(listener::filter::ConfigType::TypedConfig(any)) = &f.config_type else {
@@ -287,28 +331,15 @@ fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
             Some("envoy.filters.http.router"),
             "the router must be the last HTTP filter"
         );
-        let mut rate_limit_filters: Vec<rl_filter::RateLimit> = manager
-            .http_filters
-            .iter()
-            .filter_map(|f| rate_limit_filter(&manager.stat_prefix, f))
-            .collect();
-        assert_eq!(rate_limit_filters.len(), 1, "one rate limit filter");
-        let filter = rate_limit_filters.remove(0);
-        let Some(RouteSpecifier::RouteConfig(routes)) = &manager.route_specifier else {
-            panic!("an inline route_config");
-        };
+        let routes = route_config(&manager);
         #[rustfmt::skip]
         only!(routes.name, *routes, route::RouteConfiguration { name, virtual_hosts });
-        let mut carriers: Vec<&Vec<route::RateLimit>> = Vec::new();
         for v in &routes.virtual_hosts {
             #[rustfmt::skip]
             only!(v.name, *v, route::VirtualHost { name, domains, routes, rate_limits });
-            carriers.push(&v.rate_limits);
             for r in &v.routes {
                 only!(v.name, *r, route::Route { r#match, action });
-                let Some(route::route::Action::Route(action)) = &r.action else {
-                    panic!("{}: a route without a cluster", v.name);
-                };
+                let action = route_action(&v.name, r);
                 only!(
                     v.name,
                     *action,
@@ -323,7 +354,45 @@ fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
                     panic!("{}: a route without a cluster", v.name);
                 };
                 assert!(clusters.contains(cluster.as_str()), "no cluster {cluster}");
-                carriers.push(&action.rate_limits);
+            }
+        }
+        managers.push(manager);
+    }
+    managers
+}
+
+/// A connection manager's inline route config.
+pub(super) fn route_config(manager: &hcm::HttpConnectionManager) -> &route::RouteConfiguration {
+    use hcm::http_connection_manager::RouteSpecifier;
+    let Some(RouteSpecifier::RouteConfig(routes)) = &manager.route_specifier else {
+        panic!("{}: an inline route_config", manager.stat_prefix);
+    };
+    routes
+}
+
+fn route_action<'r>(host: &str, r: &'r route::Route) -> &'r route::RouteAction {
+    let Some(route::route::Action::Route(action)) = &r.action else {
+        panic!("{host}: a route without a cluster");
+    };
+    action
+}
+
+/// Unpacks what matters for rate limiting from a built bootstrap.
+fn rate_limiting(built: &bootstrap::Bootstrap) -> EnvoyRateLimiting {
+    let mut found = Vec::new();
+    for manager in connection_managers(built) {
+        let mut rate_limit_filters: Vec<rl_filter::RateLimit> = manager
+            .http_filters
+            .iter()
+            .filter_map(|f| rate_limit_filter(&manager.stat_prefix, f))
+            .collect();
+        assert_eq!(rate_limit_filters.len(), 1, "one rate limit filter");
+        let filter = rate_limit_filters.remove(0);
+        let mut carriers: Vec<&Vec<route::RateLimit>> = Vec::new();
+        for v in &route_config(&manager).virtual_hosts {
+            carriers.push(&v.rate_limits);
+            for r in &v.routes {
+                carriers.push(&route_action(&v.name, r).rate_limits);
             }
         }
         carriers.retain(|entries| !entries.is_empty());

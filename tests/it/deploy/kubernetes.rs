@@ -159,6 +159,12 @@ pub(super) fn image_env() -> BTreeMap<String, String> {
         .collect()
 }
 
+/// The rlsd configs the ConfigMaps hold, by key: each a verbatim copy of a checked file.
+pub(super) const CONFIG_COPIES: [(&str, &str); 2] = [
+    ("three-layer.yaml", EXAMPLE),
+    ("web.yaml", "deploy/rlqs/web.yaml"),
+];
+
 /// How one rlsd container is configured, as `rlsd serve`'s own parser reads it: flags after
 /// `rlsd serve`, then `RLSD_*` env, then the image's ENV, then the binary's defaults.
 pub(super) struct RlsdSettings {
@@ -543,13 +549,15 @@ pub(super) fn check_rlsd_container(
             domains.insert(domain.name.clone()),
             "{what}: duplicate domain"
         );
-        if key == "three-layer.yaml" {
-            assert_eq!(
-                text,
-                read(EXAMPLE),
-                "{what}: ConfigMap {cm_name} {key} must be {EXAMPLE} verbatim"
-            );
-        }
+        let copy = CONFIG_COPIES.iter().find(|(copy, _)| copy == key);
+        let (_, file) = copy.unwrap_or_else(|| {
+            panic!("{what}: ConfigMap {cm_name} {key} is a copy of no file of the repository")
+        });
+        assert_eq!(
+            text,
+            read(file),
+            "{what}: ConfigMap {cm_name} {key} must be {file} verbatim"
+        );
     }
     assert!(
         !domains.is_empty(),

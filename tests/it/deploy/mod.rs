@@ -6,19 +6,22 @@
 //! - `deploy/envoy.yaml` and the Istio filters are read with Envoy's own schema (the protos
 //!   envoy-types ships), so an unknown field, `@type` or enum name fails as it would in Envoy.
 //!   The descriptors Envoy would send are computed from those messages and must land on limits
-//!   of `examples/three-layer.yaml`.
+//!   of `examples/three-layer.yaml`. For `deploy/rlqs/`, the bucket ids Envoy's quota filter
+//!   would build must land on the `quota_buckets:` items of `deploy/rlqs/web.yaml` written for
+//!   them, and a running rlsd must assign each one.
 //! - The Kubernetes manifests are checked against `rlsd serve`'s clap command: flags, `RLSD_*`
 //!   variables, default ports, probes, the config mount and what it holds.
 //! - Every metric the Grafana dashboard queries must be in the exposition of a real rlsd
 //!   process, and every gRPC health service a probe names must answer SERVING there.
 //!
-//! This module walks the files and reads rlsd's own flags and config; [`envoy`], [`kubernetes`],
-//! [`image`] and [`grafana`] check each kind.
+//! This module walks the files and reads rlsd's own flags and config; [`envoy`], [`rlqs`],
+//! [`kubernetes`], [`image`] and [`grafana`] check each kind.
 
 mod envoy;
 mod grafana;
 mod image;
 mod kubernetes;
+mod rlqs;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -28,7 +31,7 @@ use std::sync::OnceLock;
 use rlsd::config::{Domain, Level, Node};
 use serde_json::Value;
 
-use self::envoy::envoy_bootstrap;
+use self::envoy::check_envoy_bootstrap;
 use self::grafana::{check_dashboard_shape, dashboard};
 use self::image::check_dockerfile;
 use self::kubernetes::{check_kubernetes_file, check_prometheus_config};
@@ -56,6 +59,8 @@ enum Kind {
     Readme,
     Dockerfile,
     EnvoyBootstrap,
+    /// An rlsd config (a file with `domain:`), for an Envoy file beside it.
+    RlsdConfig,
     PrometheusConfig,
     Kubernetes,
     GrafanaDashboard,
@@ -100,13 +105,15 @@ fn kind_of(relative: &str) -> Kind {
             let has = |key: &str| docs.iter().all(|d| d.get(key).is_some());
             if has("static_resources") {
                 Kind::EnvoyBootstrap
+            } else if has("domain") {
+                Kind::RlsdConfig
             } else if has("scrape_configs") {
                 Kind::PrometheusConfig
             } else if has("apiVersion") && has("kind") {
                 Kind::Kubernetes
             } else {
                 panic!(
-                    "{relative}: YAML that is neither an Envoy bootstrap, a Prometheus config nor Kubernetes objects; teach tests/it/deploy/ about it"
+                    "{relative}: YAML that is neither an Envoy bootstrap, an rlsd config, a Prometheus config nor Kubernetes objects; teach tests/it/deploy/ about it"
                 )
             }
         }
@@ -124,7 +131,8 @@ fn every_file_in_deploy_is_of_a_known_kind_and_valid() {
         match kind {
             Kind::Readme => assert!(readme.len() > 200, "{file} says next to nothing"),
             Kind::Dockerfile => check_dockerfile(file),
-            Kind::EnvoyBootstrap => drop(envoy_bootstrap(file)),
+            Kind::EnvoyBootstrap => check_envoy_bootstrap(file),
+            Kind::RlsdConfig => rlqs::check_rlsd_config(file),
             Kind::PrometheusConfig => check_prometheus_config(file),
             Kind::Kubernetes => check_kubernetes_file(file),
             Kind::GrafanaDashboard => check_dashboard_shape(file, &dashboard(file)),
