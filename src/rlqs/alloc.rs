@@ -4,16 +4,26 @@
 
 /// The part of a share handed out as the token bucket's capacity rather than its rate: Envoy
 /// starts every new or changed bucket full, so over one report interval an Envoy admits at most
-/// `capacity + rate x interval`; taking the capacity out of the rate keeps that within its share.
+/// `capacity + rate x interval`; a capacity of this part of one interval's share, taken out of
+/// the rate, keeps that within its share at any report interval.
 pub const BURST_SHARE: f64 = 0.05;
 
-/// How far a new rate may be above the one an Envoy holds before it is sent (a change is a fresh
-/// full bucket in Envoy, so small moves are not worth one). Below it, the old rate is kept.
-pub const KEEP_BELOW: f64 = 0.10;
+/// How far the held rate may be below the new one and still be kept (a change is a fresh full
+/// bucket in Envoy, so small moves are not worth one): with the rate at 95 % of the share, a
+/// kept rate is at least 92 % of the share, to a token, so assigned rates stay within 10 % of
+/// the shares.
+pub const KEEP_BELOW: f64 = 0.03;
 
 /// How far the held rate may be above the new one and still be kept: small, so kept rates never
 /// sum to more than the limit by more than this (less [`BURST_SHARE`], which is larger).
 pub const KEEP_ABOVE: f64 = 0.02;
+
+/// The share an Envoy needs to be allowed `demand` requests per second: its rate is the share
+/// less [`BURST_SHARE`], so an Envoy asking less than the fair level is not held below its
+/// demand. Infinite (not known yet) stays infinite.
+pub fn share_wanted(demand: f64) -> f64 {
+    demand / (1.0 - BURST_SHARE)
+}
 
 /// Max-min fair shares of `limit` (requests per second) for `demands` (requests per second each,
 /// `f64::INFINITY` for an Envoy whose demand is not known yet): every Envoy gets what it asks
@@ -66,24 +76,26 @@ pub struct Bucket {
     pub max_tokens: u32,
 }
 
-/// Seconds of its share an Envoy's token bucket holds: its burst when the bucket is new or
-/// changed (Envoy starts it full), and the slack that lets requests arriving in clumps use the
-/// rate. At Envoy's 5 s interval it is [`BURST_SHARE`] of one interval's share.
-pub const BURST_SECONDS: f64 = 0.25;
-
-/// The token bucket for a share of `share` requests per second: [`BURST_SECONDS`] of it as
-/// capacity (at least two tokens, or a rate near the arrival rate loses half its requests to
-/// rounding), and the share less [`BURST_SHARE`] as the rate, rounded down, so that over one
-/// 5 s interval a fresh bucket admits no more than the share.
-pub fn bucket_for(share: f64, fill_seconds: u32) -> Bucket {
+/// The token bucket for a share of `share` requests per second, reported every `interval`
+/// seconds: [`BURST_SHARE`] of one interval's share as capacity (at least two tokens, or a rate
+/// near the arrival rate loses half its requests to rounding), and the share less
+/// [`BURST_SHARE`] as the rate, rounded down, so that over one interval a fresh bucket admits no
+/// more than the share whatever the interval (to the two-token floor).
+pub fn bucket_for(share: f64, fill_seconds: u32, interval: f64) -> Bucket {
     let share = if share.is_finite() {
         share.max(0.0)
     } else {
         0.0
     };
+    let interval = if interval.is_finite() {
+        interval.max(0.0)
+    } else {
+        0.0
+    };
     let fill_seconds = fill_seconds.max(1);
-    let rate = (share * (1.0 - BURST_SHARE) * f64::from(fill_seconds)).floor();
-    let capacity = (share * BURST_SECONDS).ceil();
+    // The nudge keeps a whole rate computed through `share_wanted` from rounding to one below.
+    let rate = (share * (1.0 - BURST_SHARE) * f64::from(fill_seconds) + 1e-9).floor();
+    let capacity = (share * BURST_SHARE * interval).round();
     Bucket {
         tokens_per_fill: clamp_u32(rate),
         fill_seconds,
@@ -157,23 +169,40 @@ mod tests {
     }
 
     #[test]
-    fn buckets_keep_their_burst_inside_the_share() {
-        let bucket = bucket_for(100.0, 1);
-        assert_eq!(bucket.tokens_per_fill, 95);
-        assert_eq!(bucket.max_tokens, 25);
-        // A fresh bucket over one interval: its capacity plus its rate, within the share.
-        assert!(f64::from(bucket.max_tokens) + 5.0 * f64::from(bucket.tokens_per_fill) <= 500.0);
-        assert_eq!(bucket_for(0.0, 1).max_tokens, 2);
-        assert_eq!(bucket_for(f64::NAN, 1).tokens_per_fill, 0);
+    fn buckets_keep_their_burst_inside_the_share_at_any_interval() {
+        for interval in [1.0, 5.0] {
+            let bucket = bucket_for(100.0, 1, interval);
+            assert_eq!(bucket.tokens_per_fill, 95);
+            assert_eq!(f64::from(bucket.max_tokens), 5.0 * interval);
+            // A fresh bucket over one interval: its capacity plus its rate, within the share.
+            assert!(
+                f64::from(bucket.max_tokens) + interval * f64::from(bucket.tokens_per_fill)
+                    <= 100.0 * interval
+            );
+        }
+        assert_eq!(bucket_for(0.0, 1, 5.0).max_tokens, 2);
+        assert_eq!(bucket_for(10.0, 1, 1.0).max_tokens, 2, "the floor");
+        assert_eq!(bucket_for(f64::NAN, 1, 5.0).tokens_per_fill, 0);
+        assert_eq!(bucket_for(100.0, 1, f64::NAN).max_tokens, 2);
+    }
+
+    #[test]
+    fn an_envoy_below_the_fair_level_gets_a_rate_of_its_whole_demand() {
+        let wanted: Vec<f64> = [30.0, 300.0].iter().map(|d| share_wanted(*d)).collect();
+        let shares = max_min_shares(200.0, &wanted);
+        assert_eq!(bucket_for(shares[0], 1, 1.0).tokens_per_fill, 30);
+        assert_eq!(bucket_for(shares[1], 1, 1.0).tokens_per_fill, 160);
+        assert!(share_wanted(f64::INFINITY).is_infinite());
     }
 
     #[test]
     fn small_moves_keep_the_held_bucket() {
-        let held = bucket_for(100.0, 1);
-        assert!(keep(held, bucket_for(104.0, 1)));
-        assert!(keep(held, bucket_for(99.0, 1)));
-        assert!(!keep(held, bucket_for(120.0, 1)));
-        assert!(!keep(held, bucket_for(90.0, 1)));
+        let held = bucket_for(100.0, 1, 5.0);
+        assert!(keep(held, bucket_for(102.0, 1, 5.0)));
+        assert!(keep(held, bucket_for(99.0, 1, 5.0)));
+        assert!(keep(held, bucket_for(100.0, 1, 1.0)), "the capacity alone");
+        assert!(!keep(held, bucket_for(105.0, 1, 5.0)));
+        assert!(!keep(held, bucket_for(90.0, 1, 5.0)));
     }
 
     proptest! {
@@ -198,7 +227,7 @@ mod tests {
                 }
             }
             // Buckets from shares never sum to more than the limit per second.
-            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s, 1).tokens_per_fill)).sum();
+            let rates: u64 = shares.iter().map(|s| u64::from(bucket_for(*s, 1, 5.0).tokens_per_fill)).sum();
             prop_assert!(rates as f64 <= limit + 1e-6);
         }
     }
@@ -208,7 +237,7 @@ mod tests {
         // 60 a minute over four Envoys: a quarter of a request a second each.
         let fill = fill_seconds_for(1.0);
         assert_eq!(fill, 100);
-        let bucket = bucket_for(0.25, fill);
+        let bucket = bucket_for(0.25, fill, 5.0);
         assert_eq!(bucket.tokens_per_fill, 23, "0.95 x 0.25 x 100");
         let rate = f64::from(bucket.tokens_per_fill) / f64::from(bucket.fill_seconds);
         assert!(rate > 0.2 && rate <= 0.25, "{rate}");
@@ -216,7 +245,7 @@ mod tests {
         assert_eq!(fill_seconds_for(1.0 / 3600.0), 3600);
         assert_eq!(fill_seconds_for(0.0), 1);
         assert!(
-            !keep(bucket_for(0.25, 100), bucket_for(0.25, 1)),
+            !keep(bucket_for(0.25, 100, 5.0), bucket_for(0.25, 1, 5.0)),
             "another interval is a change"
         );
     }

@@ -1,5 +1,8 @@
 //! The quota service's metrics, `rlsd_rlqs_*`, in the server's one registry.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
 use prometheus::core::Collector;
 use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
@@ -28,6 +31,9 @@ pub struct RlqsMetrics {
     pub failure_mode_answers: IntCounterVec,
     /// Buckets abandoned after being idle.
     pub abandoned: IntCounter,
+    /// Streams of this replica holding each (domain, bucket) series: the series go with the
+    /// last, so clients cannot grow `/metrics` beyond the buckets held now.
+    holders: Arc<Mutex<HashMap<(String, String), usize>>>,
 }
 
 fn register<M: Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
@@ -115,6 +121,84 @@ impl RlqsMetrics {
                 IntCounter::new("rlsd_rlqs_abandoned_total", "Idle quota buckets abandoned")
                     .unwrap_or_else(|_| unreachable!("rlsd_rlqs_abandoned_total is well-formed")),
             ),
+            holders: Arc::default(),
         }
+    }
+
+    /// A stream starts holding the series of `bucket` in `domain` (call once per stream).
+    pub fn hold(&self, domain: &str, bucket: &str) {
+        let mut holders = self.holders.lock().unwrap_or_else(PoisonError::into_inner);
+        *holders
+            .entry((domain.to_owned(), bucket.to_owned()))
+            .or_default() += 1;
+    }
+
+    /// A stream stops holding them; the last one removes every series of the bucket.
+    pub fn release(&self, domain: &str, bucket: &str) {
+        let mut holders = self.holders.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = (domain.to_owned(), bucket.to_owned());
+        let Some(count) = holders.get_mut(&key) else {
+            return;
+        };
+        *count = count.saturating_sub(1);
+        if *count > 0 {
+            return;
+        }
+        holders.remove(&key);
+        // Under the lock, so a stream taking the bucket up meanwhile writes after the removal.
+        let labels = [domain, bucket];
+        // A series never written is not there to remove: nothing to report.
+        let _ = self.envoys.remove_label_values(&labels);
+        let _ = self.demand.remove_label_values(&labels);
+        let _ = self.assigned.remove_label_values(&labels);
+        for verdict in ["allowed", "denied"] {
+            let _ = self
+                .requests
+                .remove_label_values(&[domain, bucket, verdict]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket_series(registry: &Registry) -> usize {
+        registry
+            .gather()
+            .iter()
+            .filter(|family| family.name().starts_with("rlsd_rlqs_bucket_"))
+            .map(|family| family.get_metric().len())
+            .sum()
+    }
+
+    #[test]
+    fn a_bucket_s_series_go_with_the_last_stream_holding_it() {
+        let registry = Registry::new();
+        let metrics = RlqsMetrics::new(&registry);
+        let write = |bucket: &str| {
+            metrics.envoys.with_label_values(&["web", bucket]).set(2);
+            metrics
+                .assigned
+                .with_label_values(&["web", bucket])
+                .set(1.0);
+            metrics
+                .requests
+                .with_label_values(&["web", bucket, "allowed"])
+                .inc();
+        };
+        metrics.hold("web", "a");
+        metrics.hold("web", "a");
+        metrics.hold("web", "b");
+        write("a");
+        write("b");
+        assert_eq!(bucket_series(&registry), 6);
+        metrics.release("web", "a");
+        assert_eq!(bucket_series(&registry), 6, "one stream still holds a");
+        metrics.release("web", "a");
+        metrics.release("web", "a");
+        assert_eq!(bucket_series(&registry), 3, "b's alone");
+        metrics.release("web", "b");
+        assert_eq!(bucket_series(&registry), 0);
     }
 }

@@ -218,6 +218,8 @@ struct Held {
     idle_since: Option<Instant>,
     /// Whether its demand is on the board.
     on_board: bool,
+    /// Whether this stream holds the bucket's metric series ([`RlqsMetrics::hold`]).
+    metered: bool,
     /// The last assignment sent.
     sent: Option<Sent>,
     /// While nothing is assigned: a bucket first seen in a periodic report comes from an
@@ -430,16 +432,6 @@ impl StreamState {
                 .num_requests_allowed
                 .saturating_add(usage.num_requests_denied);
             let label = label(&sorted);
-            shared
-                .metrics
-                .requests
-                .with_label_values(&[domain, &label, "allowed"])
-                .inc_by(usage.num_requests_allowed);
-            shared
-                .metrics
-                .requests
-                .with_label_values(&[domain, &label, "denied"])
-                .inc_by(usage.num_requests_denied);
             let held = self.buckets.entry(key.clone()).or_insert_with(|| Held {
                 id: BucketId {
                     bucket: sorted.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
@@ -452,6 +444,7 @@ impl StreamState {
                 demand: f64::INFINITY,
                 idle_since: None,
                 on_board: false,
+                metered: false,
                 sent: None,
                 // Envoy's report of a bucket it just created holds that bucket alone, 1/0 or
                 // 0/1, with time_elapsed 0; anything else is a bucket it held before.
@@ -484,6 +477,24 @@ impl StreamState {
             let quota = rules
                 .and_then(|rules| rules.find(&sorted))
                 .map(|rule| rule.quota);
+            // Series only for buckets with a rule, held by a stream: a reload that removes the
+            // rule takes them away as an abandon or the stream's end does.
+            if quota.is_some() {
+                if !held.metered {
+                    held.metered = true;
+                    shared.metrics.hold(domain, &held.label);
+                }
+                let requests = &shared.metrics.requests;
+                requests
+                    .with_label_values(&[domain, &held.label, "allowed"])
+                    .inc_by(usage.num_requests_allowed);
+                requests
+                    .with_label_values(&[domain, &held.label, "denied"])
+                    .inc_by(usage.num_requests_denied);
+            } else if held.metered {
+                held.metered = false;
+                shared.metrics.release(domain, &held.label);
+            }
             match quota {
                 None => {
                     // No rule: Envoy's no-assignment behaviour decides.
@@ -501,9 +512,13 @@ impl StreamState {
             }
         }
         for key in gone {
-            if let Some(held) = self.buckets.remove(&key)
-                && held.on_board
-            {
+            let Some(held) = self.buckets.remove(&key) else {
+                continue;
+            };
+            if held.metered {
+                shared.metrics.release(domain, &held.label);
+            }
+            if held.on_board {
                 shared.board.leave(&board_key(domain, &key), &self.id).await;
             }
         }
@@ -554,12 +569,15 @@ impl StreamState {
                 Ok(live) => {
                     held.on_board = true;
                     let demands: Vec<f64> = live.iter().map(|d| d.rate).collect();
-                    let shares = alloc::max_min_shares(split.limit, &demands);
+                    let wanted: Vec<f64> =
+                        demands.iter().map(|d| alloc::share_wanted(*d)).collect();
+                    let shares = alloc::max_min_shares(split.limit, &wanted);
                     let own = live
                         .iter()
                         .position(|d| d.member == self.id)
                         .map_or(split.limit / (live.len() + 1) as f64, |at| shares[at]);
-                    let mut bucket = alloc::bucket_for(own, alloc::fill_seconds_for(split.limit));
+                    let mut bucket =
+                        alloc::bucket_for(own, alloc::fill_seconds_for(split.limit), held.interval);
                     if let Some(Sent::Bucket(old)) = held.sent
                         && alloc::keep(old, bucket)
                     {
@@ -627,6 +645,9 @@ impl StreamState {
                 async move { board.leave(&board_key, member).await }
             });
         join_all(leaving).await;
+        for held in self.buckets.values().filter(|held| held.metered) {
+            shared.metrics.release(domain, &held.label);
+        }
         self.buckets.clear();
     }
 }

@@ -163,8 +163,8 @@ impl ClusterStore {
 }
 
 impl ClusterStore {
-    /// Runs another script (the quota service's) on the node of its key within the command
-    /// timeout; redis-rs sends EVALSHA and reloads the script on NOSCRIPT.
+    /// Runs another script (the quota service's) on the master of its key within the timeout
+    /// cap (`--redis-timeout-cap-ms`); redis-rs sends EVALSHA and loads the script on NOSCRIPT.
     ///
     /// # Errors
     /// When the cluster cannot be reached, refuses the script or does not answer in time.
