@@ -842,7 +842,7 @@ impl Walker<'_> {
                 );
                 self.error(key.pos, reason);
             } else {
-                self.quota = self.quota_buckets(quota);
+                self.quota = self.quota_buckets(quota, &level);
             }
         }
         let plans = fields.get("plans").and_then(|(key, plans)| {
