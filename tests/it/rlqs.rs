@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 /// The report interval of these tests.
-const INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const INTERVAL: Duration = Duration::from_secs(1);
 /// The shared limit, requests per second.
 const LIMIT: f64 = 200.0;
 /// How often the client's traffic is stepped.
@@ -98,7 +98,7 @@ struct EnvoyState {
     errors: Vec<tonic::Code>,
 }
 
-struct Envoy {
+pub(crate) struct Envoy {
     state: Arc<Mutex<EnvoyState>>,
     /// Requests per second this Envoy receives, per bucket (as f64 bits).
     demand: Arc<Mutex<HashMap<String, f64>>>,
@@ -110,7 +110,11 @@ struct Envoy {
 }
 
 impl Envoy {
-    fn start(target: std::net::SocketAddr, domain: &str, demand: &[(&str, f64)]) -> Envoy {
+    pub(crate) fn start(
+        target: std::net::SocketAddr,
+        domain: &str,
+        demand: &[(&str, f64)],
+    ) -> Envoy {
         let state = Arc::new(Mutex::new(EnvoyState::default()));
         let demand = Arc::new(Mutex::new(
             demand
@@ -146,11 +150,11 @@ impl Envoy {
             .insert(bucket.to_owned(), rate);
     }
 
-    fn admitted(&self) -> u64 {
+    pub(crate) fn admitted(&self) -> u64 {
         self.admitted.load(Ordering::Relaxed)
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.task.await;
     }
@@ -657,7 +661,7 @@ async fn blanket_rules_and_idle_buckets_are_abandoned() {
 }
 
 /// A raw stream: sends `reports` one by one, returns each answer or the status that ended it.
-async fn raw(
+pub(crate) async fn raw(
     addr: std::net::SocketAddr,
     reports: Vec<RateLimitQuotaUsageReports>,
 ) -> Result<Vec<RateLimitQuotaResponse>, tonic::Status> {
@@ -686,7 +690,7 @@ async fn raw(
     Ok(out)
 }
 
-fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
+pub(crate) fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
     BucketQuotaUsage {
         bucket_id: Some(bucket_id(name)),
         time_elapsed: Some(prost_types::Duration { seconds, nanos: 0 }),
@@ -695,7 +699,7 @@ fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
     }
 }
 
-fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageReports {
+pub(crate) fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageReports {
     RateLimitQuotaUsageReports {
         domain: domain.to_owned(),
         bucket_quota_usages: usages,
