@@ -127,10 +127,9 @@ fn told(answers: &[RateLimitQuotaResponse], bucket: &str) -> Option<Strategy> {
                 .is_some_and(|id| id.bucket.get("name").map(String::as_str) == Some(bucket))
         })
         .filter_map(|action| match &action.bucket_action {
-            Some(Action::QuotaAssignmentAction(assign)) => assign
-                .rate_limit_strategy
-                .as_ref()
-                .and_then(|s| s.strategy.clone()),
+            Some(Action::QuotaAssignmentAction(assign)) => {
+                assign.rate_limit_strategy.as_ref().and_then(|s| s.strategy)
+            }
             _ => None,
         })
         .next_back()
