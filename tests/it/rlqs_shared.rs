@@ -371,3 +371,44 @@ fn check_reports_a_shared_descriptor_it_cannot_find_with_file_and_line() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn a_store_failing_on_the_charge_answers_by_the_failure_mode() {
+    // The in-process store full (one key, taken by a ShouldRateLimit call): the charge of a new
+    // bucket cannot be recorded, while the demand board (in process) still works.
+    for (mode, rule) in [
+        ("deny", BlanketRule::DenyAll),
+        ("allow", BlanketRule::AllowAll),
+    ] {
+        let flags = [
+            "--max-keys".to_owned(),
+            "1".to_owned(),
+            "--failure-mode".to_owned(),
+            mode.to_owned(),
+        ];
+        let (rlsd, _dir) = start(&flags);
+        let mut rls_client = client(&rlsd).await;
+        assert_eq!(
+            rls(&mut rls_client, "generic_key", "daily", 1).await,
+            (Code::Ok, 999)
+        );
+        let answers = raw(
+            rlsd.grpc,
+            vec![reports("web", vec![usage("checkout", 1, 0)])],
+        )
+        .await
+        .expect("stream");
+        assert_eq!(
+            told(&answers, "checkout"),
+            Some(Strategy::BlanketRule(rule as i32)),
+            "--failure-mode {mode}"
+        );
+        let (_, metrics) = common::http_get(rlsd.http, "/metrics").await;
+        assert!(
+            metrics.contains(&format!(
+                "rlsd_rlqs_failure_mode_answers_total{{mode=\"{mode}\"}} 1"
+            )),
+            "{metrics}"
+        );
+    }
+}
