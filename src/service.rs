@@ -437,8 +437,9 @@ pub enum Charged {
 /// Charges work already done to one descriptor's counters, through the same plan, keys and
 /// store as `ShouldRateLimit`: the quota service's way into a budget it shares with RLS.
 pub trait ChargeDescriptor: Send + Sync + 'static {
-    /// Charges `hits` (recorded whatever the answer, past the limit if need be; 0 only reads)
-    /// to the descriptor `entries` of `domain`, and returns what its counters hold after.
+    /// Charges `hits` (recorded whatever the answer, past the limit if need be; 0 only reads;
+    /// at most `--max-hits-addend`) to the descriptor `entries` of `domain`, and returns what
+    /// its counters hold after.
     fn charge_descriptor<'a>(
         &'a self,
         domain: &'a str,
@@ -454,6 +455,8 @@ impl<S: Store> ChargeDescriptor for RateLimiter<S> {
         entries: Vec<(String, String)>,
         hits: u64,
     ) -> Pin<Box<dyn Future<Output = Result<Charged, StoreError>> + Send + 'a>> {
+        // The bound `ShouldRateLimit` puts on a descriptor's hits, far above any report's.
+        let hits = hits.min(self.settings.limits.max_hits_addend);
         Box::pin(async move {
             let request = engine::Request {
                 domain: domain.to_owned(),
