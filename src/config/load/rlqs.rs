@@ -3,7 +3,7 @@
 
 use super::{Walker, YNode};
 use crate::config::yaml::{Pos, Value};
-use crate::config::{Level, Node, Wildcard};
+use crate::config::{Level, Node, PlanTable, Wildcard};
 use crate::engine::matcher;
 use crate::rlqs::rules::{BucketRule, Quota, QuotaRules, SharedDescriptor, ValueMatch};
 
@@ -19,7 +19,12 @@ impl Walker<'_> {
     /// `quota_buckets: [{bucket: {k: v}, rate_limit: {...}}, ...]`, first match wins; an item
     /// without `bucket` matches every bucket and must be the last. An item may give
     /// `descriptor:` instead of `rate_limit:`, one of `level` (the domain's descriptors).
-    pub(super) fn quota_buckets(&mut self, node: &YNode, level: &Level) -> QuotaRules {
+    pub(super) fn quota_buckets(
+        &mut self,
+        node: &YNode,
+        level: &Level,
+        plans: Option<&PlanTable>,
+    ) -> QuotaRules {
         let mut rules = QuotaRules::default();
         let Value::Seq(items) = &node.value else {
             let found = self.describe(node);
@@ -64,7 +69,7 @@ impl Walker<'_> {
                 }
                 (Some((key, limit)), None) => self.quota(limit, key.pos),
                 (None, Some((_, descriptor))) => entries.as_ref().and_then(|entries| {
-                    self.shared_descriptor(descriptor, entries, level)
+                    self.shared_descriptor(descriptor, entries, level, plans)
                         .map(Quota::Descriptor)
                 }),
             };
@@ -129,6 +134,7 @@ impl Walker<'_> {
         node: &YNode,
         bucket: &[(String, ValueMatch)],
         level: &Level,
+        plans: Option<&PlanTable>,
     ) -> Option<SharedDescriptor> {
         let items = match &node.value {
             Value::Seq(items) if !items.is_empty() => items,
@@ -190,7 +196,20 @@ impl Walker<'_> {
             return None;
         }
         let shown = show(&entries);
-        let nodes = reachable(level, &entries);
+        // `[api_key=K]` is matched as `[plan=<plan of K>, api_key=K]` (any plan without K).
+        let walked = match (plans, entries.as_slice()) {
+            (Some(plans), [(key, value)]) if *key == plans.from => vec![
+                (
+                    plans.entry.clone(),
+                    value
+                        .as_deref()
+                        .map(|value| plans.plan_of(value).to_owned()),
+                ),
+                (key.clone(), value.clone()),
+            ],
+            _ => entries.clone(),
+        };
+        let nodes = reachable(level, &walked);
         if nodes.is_empty() {
             self.error(
                 node.pos,
@@ -362,5 +381,15 @@ mod tests {
         assert!(has("q.yaml:15:", "not both"), "{text:?}");
         assert!(has("q.yaml:18:", "non-empty list"), "{text:?}");
         assert_eq!(text.len(), 5, "{text:?}");
+    }
+
+    #[test]
+    fn a_lone_api_key_descriptor_is_found_under_its_plan() {
+        let domain = load_str(
+            "q.yaml",
+            "domain: api\ndescriptors:\n  - key: plan\n    value: pro\n    descriptors:\n      - key: api_key\n        rate_limit: {unit: second, requests_per_unit: 50}\nplans:\n  from: api_key\n  entry: plan\n  default: pro\nquota_buckets:\n  - bucket: {api_key: '*'}\n    descriptor: [{key: api_key}]\n  - bucket: {name: k}\n    descriptor: [{key: api_key, value: k1}]\n",
+        )
+        .unwrap_or_else(|errors| panic!("{errors:?}"));
+        assert_eq!(domain.quota.rules.len(), 2);
     }
 }
