@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use opentelemetry::trace::TraceContextExt as _;
 use tonic::{Request, Response, Status};
 
-use crate::algorithm::{Hits, Verdict};
+use crate::algorithm::{Hits, Params, Verdict};
 use crate::config::Config;
 use crate::engine::key::push_decimal;
 use crate::engine::{self, Decision, Descriptor, KeySettings, LimitOverride, Plan};
@@ -418,6 +418,97 @@ impl<S: Store> Decide for RateLimiter<S> {
             let answer = self.decide_in(request, None, effect, None).await;
             self.metrics.observe_request(started.elapsed());
             answer
+        })
+    }
+}
+
+/// A descriptor's counters after a charge: what the quota service reads a shared budget from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Charged {
+    /// No limit applies to the descriptor (no node, a whitelist node, or every limit replaced).
+    NoLimit,
+    /// `unlimited: true`.
+    Unlimited,
+    /// Each enforced limit's numbers and its answer after the charge (shadow limits, which
+    /// never deny, are charged but left out).
+    Limits(Vec<(Params, Verdict)>),
+}
+
+/// Charges work already done to one descriptor's counters, through the same plan, keys and
+/// store as `ShouldRateLimit`: the quota service's way into a budget it shares with RLS.
+pub trait ChargeDescriptor: Send + Sync + 'static {
+    /// Charges `hits` (recorded whatever the answer, past the limit if need be; 0 only reads;
+    /// at most `--max-hits-addend`) to the descriptor `entries` of `domain`, and returns what
+    /// its counters hold after.
+    fn charge_descriptor<'a>(
+        &'a self,
+        domain: &'a str,
+        entries: Vec<(String, String)>,
+        hits: u64,
+    ) -> Pin<Box<dyn Future<Output = Result<Charged, StoreError>> + Send + 'a>>;
+}
+
+impl<S: Store> ChargeDescriptor for RateLimiter<S> {
+    fn charge_descriptor<'a>(
+        &'a self,
+        domain: &'a str,
+        entries: Vec<(String, String)>,
+        hits: u64,
+    ) -> Pin<Box<dyn Future<Output = Result<Charged, StoreError>> + Send + 'a>> {
+        // The bound `ShouldRateLimit` puts on a descriptor's hits, far above any report's.
+        let hits = hits.min(self.settings.limits.max_hits_addend);
+        Box::pin(async move {
+            let request = engine::Request {
+                domain: domain.to_owned(),
+                descriptors: vec![Descriptor {
+                    entries,
+                    limit_override: None,
+                    hits_addend: Some(hits),
+                    refund: false,
+                }],
+                hits_addend: 1,
+            };
+            let config = self.config.load();
+            let mut plan = engine::plan(&config, &request, &self.settings.keys);
+            enforce(&mut plan, &self.settings);
+            match plan.decisions.first() {
+                Some(Decision::Unlimited) => return Ok(Charged::Unlimited),
+                Some(Decision::Checks(_)) => {}
+                Some(Decision::NoLimit) | None => return Ok(Charged::NoLimit),
+            }
+            // Whatever the limit's `charge:` says: these requests were admitted already.
+            let taken = if hits == 0 {
+                Hits::Peek
+            } else {
+                Hits::Charge(hits)
+            };
+            for check in &mut plan.checks {
+                check.hits = taken;
+            }
+            let started = Instant::now();
+            let decided = self.store.decide_by(&plan.checks, None).await;
+            self.store_duration.observe(started.elapsed().as_secs_f64());
+            let outcomes = decided.inspect_err(|error| {
+                self.metrics
+                    .store_errors
+                    .with_label_values(&[error.kind()])
+                    .inc();
+            })?;
+            if hits > 0 {
+                self.record(&request, &plan, &outcomes);
+            }
+            let limits: Vec<(Params, Verdict)> = plan
+                .checks
+                .iter()
+                .zip(&outcomes)
+                .filter(|(check, _)| !check.shadow)
+                .map(|(check, outcome)| (check.params, outcome.verdict))
+                .collect();
+            Ok(if limits.is_empty() {
+                Charged::Unlimited
+            } else {
+                Charged::Limits(limits)
+            })
         })
     }
 }

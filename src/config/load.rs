@@ -832,19 +832,6 @@ impl Walker<'_> {
             let parent = self.domain.clone();
             self.descriptors(descriptors, &parent, None, &mut level);
         }
-        if let Some((key, quota)) = fields.get("quota_buckets") {
-            if let Some(base) = &self.base
-                && base.quota.is_some()
-            {
-                let reason = format!(
-                    "quota_buckets of domain '{}' are already given in {}; give them in one file",
-                    self.domain, base.source
-                );
-                self.error(key.pos, reason);
-            } else {
-                self.quota = self.quota_buckets(quota);
-            }
-        }
         let plans = fields.get("plans").and_then(|(key, plans)| {
             if let Some(base) = &self.base
                 && base.plans.is_some()
@@ -862,6 +849,23 @@ impl Walker<'_> {
             }
             self.plans(plans, &level)
         });
+        if let Some((key, quota)) = fields.get("quota_buckets") {
+            if let Some(base) = &self.base
+                && base.quota.is_some()
+            {
+                let reason = format!(
+                    "quota_buckets of domain '{}' are already given in {}; give them in one file",
+                    self.domain, base.source
+                );
+                self.error(key.pos, reason);
+            } else {
+                // A lone `api_key` descriptor gains its plan, here as in requests.
+                let table = plans
+                    .clone()
+                    .or_else(|| self.base.as_ref().and_then(|base| base.plans.clone()));
+                self.quota = self.quota_buckets(quota, &level, table.as_ref());
+            }
+        }
         (domain, level, plans)
     }
 

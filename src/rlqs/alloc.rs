@@ -2,6 +2,9 @@
 //! rate, then each share turned into the token bucket Envoy enforces. Pure functions: every
 //! replica that sees the same demands computes the same split.
 
+use crate::algorithm::{Params, Verdict};
+use crate::limit::Algorithm;
+
 /// The part of a share handed out as the token bucket's capacity rather than its rate: Envoy
 /// starts every new or changed bucket full, so over one report interval an Envoy admits at most
 /// `capacity + rate x interval`; a capacity of this part of one interval's share, taken out of
@@ -131,6 +134,39 @@ pub fn keep(held: Bucket, new: Bucket) -> bool {
             && held_rate <= new_rate * (1.0 + KEEP_ABOVE))
 }
 
+/// What a budget shared with RLS gives the fleet for the next report interval of `interval`
+/// seconds, from each limit's numbers and its counter's answer after the fleet's usage was
+/// charged: what the counter has left spread over the time to its reset, never more than the
+/// limit's own rate; the tightest limit decides. Returns the rate (requests per second, 0 when
+/// nothing is left) and the fill interval of the tightest limit.
+pub fn budget_rate(limits: &[(Params, Verdict)], interval: f64) -> (f64, u32) {
+    let interval = if interval.is_finite() {
+        interval.max(0.001)
+    } else {
+        1.0
+    };
+    let mut tightest: Option<(f64, f64)> = None;
+    for (params, verdict) in limits {
+        let rate = params.limit as f64 / (params.period_us.max(1) as f64 / 1e6);
+        let reset = verdict.reset_us as f64 / 1e6;
+        let remaining = verdict.remaining as f64;
+        let available = match params.algorithm {
+            // Refilled continuously: the limit's rate while anything is left, and once in debt
+            // what refills after the reset.
+            Algorithm::TokenBucket | Algorithm::Gcra if remaining > 0.0 => rate * interval,
+            Algorithm::TokenBucket | Algorithm::Gcra => rate * (interval - reset).max(0.0),
+            // Windows: what is left spread to the reset; past it, the next window's rate.
+            _ if reset >= interval => remaining * interval / reset,
+            _ => remaining + rate * (interval - reset),
+        };
+        let given = (available / interval).clamp(0.0, rate);
+        if tightest.is_none_or(|(least, _)| given < least) {
+            tightest = Some((given, rate));
+        }
+    }
+    tightest.map_or((0.0, 1), |(given, rate)| (given, fill_seconds_for(rate)))
+}
+
 fn clamp_u32(value: f64) -> u32 {
     // `as` saturates, and NaN was ruled out by the callers.
     value as u32
@@ -248,5 +284,61 @@ mod tests {
             !keep(bucket_for(0.25, 100, 5.0), bucket_for(0.25, 1, 5.0)),
             "another interval is a change"
         );
+    }
+
+    fn params(algorithm: Algorithm, limit: u64, period_s: u64) -> Params {
+        Params {
+            algorithm,
+            limit,
+            period_us: period_s * 1_000_000,
+            burst: limit,
+        }
+    }
+
+    fn verdict(remaining: u64, reset_s: f64) -> Verdict {
+        Verdict {
+            allowed: remaining > 0,
+            remaining,
+            reset_us: (reset_s * 1e6) as u64,
+        }
+    }
+
+    #[test]
+    fn a_shared_budget_spreads_what_is_left_to_the_reset() {
+        let window = params(Algorithm::FixedWindow, 600, 60);
+        // Half the minute's 600 used with 50 s to go: 300 over 50 s.
+        let (rate, fill) = budget_rate(&[(window, verdict(300, 50.0))], 5.0);
+        assert!(close(rate, 6.0), "{rate}");
+        assert_eq!(fill, fill_seconds_for(10.0));
+        // A fresh window: the limit's own rate, never more.
+        assert!(close(
+            budget_rate(&[(window, verdict(600, 60.0))], 5.0).0,
+            10.0
+        ));
+        assert!(close(
+            budget_rate(&[(window, verdict(100, 1.0))], 5.0).0,
+            10.0
+        ));
+        // Nothing left, reset in 2 s of a 5 s interval: the next window's rate for 3 s of 5.
+        assert!(close(budget_rate(&[(window, verdict(0, 2.0))], 5.0).0, 6.0));
+        assert!(close(
+            budget_rate(&[(window, verdict(0, 30.0))], 5.0).0,
+            0.0
+        ));
+        // A token bucket in debt for 4 s of 5: a fifth of its rate; with tokens, all of it.
+        let bucket = params(Algorithm::TokenBucket, 100, 1);
+        assert!(close(
+            budget_rate(&[(bucket, verdict(0, 4.0))], 5.0).0,
+            20.0
+        ));
+        assert!(close(
+            budget_rate(&[(bucket, verdict(3, 0.5))], 5.0).0,
+            100.0
+        ));
+        // The tightest limit decides; a zero limit gives nothing.
+        let both = [(bucket, verdict(3, 0.5)), (window, verdict(300, 50.0))];
+        assert!(close(budget_rate(&both, 5.0).0, 6.0));
+        let zero = params(Algorithm::FixedWindow, 0, 1);
+        assert!(close(budget_rate(&[(zero, verdict(0, 1.0))], 5.0).0, 0.0));
     }
 }

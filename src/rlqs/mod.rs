@@ -14,5 +14,5 @@ pub mod rules;
 pub mod service;
 
 pub use board::{DemandBoard, MemoryBoard, StoreBoard};
-pub use rules::{BucketRule, Quota, QuotaRules, ValueMatch};
+pub use rules::{BucketRule, Quota, QuotaRules, SharedDescriptor, ValueMatch};
 pub use service::{QuotaService, RlqsSettings, View};

@@ -44,7 +44,7 @@ impl ValueMatch {
 }
 
 /// The limit one bucket is held to, across every Envoy and replica that reports it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Quota {
     /// `unlimited: true`: every Envoy is told ALLOW_ALL.
     Unlimited,
@@ -52,6 +52,34 @@ pub enum Quota {
     Zero,
     /// This many requests per second, split between the Envoys.
     PerSecond(f64),
+    /// `descriptor:`: the limit of an RLS descriptor of the same domain, whose counter is the
+    /// budget of both (`docs/rlqs.md#one-budget-for-rls-and-rlqs`).
+    Descriptor(SharedDescriptor),
+}
+
+/// The RLS descriptor a quota bucket shares its budget with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDescriptor {
+    /// Its entries in order; an entry without a value takes the bucket id's value of the same
+    /// key (each value its own counter, as an RLS descriptor without a value counts).
+    pub entries: Vec<(String, Option<String>)>,
+}
+
+impl SharedDescriptor {
+    /// The descriptor's entries for `bucket`, or `None` when the bucket id lacks the value of
+    /// an entry that takes it from there.
+    pub fn entries_for(&self, bucket: &BTreeMap<String, String>) -> Option<Vec<(String, String)>> {
+        self.entries
+            .iter()
+            .map(|(key, value)| {
+                let value = match value {
+                    Some(value) => value.clone(),
+                    None => bucket.get(key)?.clone(),
+                };
+                Some((key.clone(), value))
+            })
+            .collect()
+    }
 }
 
 impl QuotaRules {
@@ -101,7 +129,8 @@ mod tests {
                 rule(&[], Quota::Zero),
             ],
         };
-        let quota = |pairs: &[(&str, &str)]| rules.find(&bucket(pairs)).map(|rule| rule.quota);
+        let quota =
+            |pairs: &[(&str, &str)]| rules.find(&bucket(pairs)).map(|rule| rule.quota.clone());
         assert_eq!(
             quota(&[("name", "checkout"), ("tenant", "gold-1")]),
             Some(Quota::PerSecond(10.0))
@@ -110,5 +139,23 @@ mod tests {
         assert_eq!(quota(&[("tenant", "x")]), Some(Quota::PerSecond(5.0)));
         assert_eq!(quota(&[("other", "x")]), Some(Quota::Zero));
         assert_eq!(QuotaRules::default().find(&bucket(&[("a", "b")])), None);
+    }
+
+    #[test]
+    fn a_shared_descriptor_takes_missing_values_from_the_bucket_id() {
+        let shared = SharedDescriptor {
+            entries: vec![
+                ("generic_key".to_owned(), Some("checkout".to_owned())),
+                ("tenant".to_owned(), None),
+            ],
+        };
+        assert_eq!(
+            shared.entries_for(&bucket(&[("tenant", "acme"), ("name", "x")])),
+            Some(vec![
+                ("generic_key".to_owned(), "checkout".to_owned()),
+                ("tenant".to_owned(), "acme".to_owned()),
+            ])
+        );
+        assert_eq!(shared.entries_for(&bucket(&[("name", "x")])), None);
     }
 }

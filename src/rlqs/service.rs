@@ -22,7 +22,7 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{
     rate_limit_quota_service_server::RateLimitQuotaService,
 };
 use crate::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket, rate_limit_strategy};
-use crate::service::FailureMode;
+use crate::service::{ChargeDescriptor, Charged, FailureMode};
 
 use rate_limit_quota_response::BucketAction;
 use rate_limit_quota_response::bucket_action::{
@@ -96,6 +96,8 @@ pub struct QuotaService {
 struct Shared {
     config: Arc<ArcSwap<Config>>,
     board: Arc<dyn DemandBoard>,
+    /// Where buckets that share an RLS descriptor's budget are charged.
+    budget: Arc<dyn ChargeDescriptor>,
     settings: RlqsSettings,
     metrics: RlqsMetrics,
     view: Arc<View>,
@@ -106,11 +108,12 @@ struct Shared {
 }
 
 impl QuotaService {
-    /// A service answering from `config`, its demands on `board`, ending every stream when
-    /// `stop` turns true.
+    /// A service answering from `config`, its demands on `board`, shared budgets charged
+    /// through `budget` (the RLS service), ending every stream when `stop` turns true.
     pub fn new(
         config: Arc<ArcSwap<Config>>,
         board: Arc<dyn DemandBoard>,
+        budget: Arc<dyn ChargeDescriptor>,
         settings: RlqsSettings,
         metrics: RlqsMetrics,
         stop: watch::Receiver<bool>,
@@ -119,6 +122,7 @@ impl QuotaService {
             shared: Arc::new(Shared {
                 config,
                 board,
+                budget,
                 streams: Arc::new(Semaphore::new(settings.max_streams)),
                 settings,
                 metrics,
@@ -249,7 +253,20 @@ enum Sent {
 /// A bucket of this report whose limit is split over Envoys.
 struct Split {
     key: String,
+    /// Requests per second for the fleet (a shared budget's: what its counter has left).
     limit: f64,
+    /// Envoy's fill interval, fixed by the configured limit.
+    fill: u32,
+    /// The store failed on a shared budget's charge: the failure mode answers.
+    failed: Option<crate::store::StoreError>,
+}
+
+/// A bucket of this report that shares an RLS descriptor's budget: its allowed requests are
+/// charged to the descriptor's counter before its split.
+struct Charge {
+    key: String,
+    entries: Vec<(String, String)>,
+    allowed: u64,
 }
 
 impl StreamState {
@@ -426,6 +443,7 @@ impl StreamState {
         let rules = config.domains.get(domain).map(|domain| &domain.quota);
         let mut actions = Vec::new();
         let mut splits = Vec::new();
+        let mut charges = Vec::new();
         let mut gone = Vec::new();
         for (usage, (key, sorted)) in report.bucket_quota_usages.iter().zip(keyed) {
             let count = usage
@@ -476,7 +494,7 @@ impl StreamState {
             }
             let quota = rules
                 .and_then(|rules| rules.find(&sorted))
-                .map(|rule| rule.quota);
+                .map(|rule| &rule.quota);
             // Series only for buckets with a rule, held by a stream: a reload that removes the
             // rule takes them away as an abandon or the stream's end does.
             if quota.is_some() {
@@ -508,9 +526,24 @@ impl StreamState {
                     held.sent = Some(Sent::DenyAll);
                     actions.push(held.action(Sent::DenyAll, TTL_INTERVALS, MIN_TTL_SECONDS));
                 }
-                Some(Quota::PerSecond(limit)) => splits.push(Split { key, limit }),
+                Some(Quota::PerSecond(limit)) => splits.push(Split {
+                    key,
+                    limit: *limit,
+                    fill: alloc::fill_seconds_for(*limit),
+                    failed: None,
+                }),
+                Some(Quota::Descriptor(descriptor)) => match descriptor.entries_for(&sorted) {
+                    Some(entries) => charges.push(Charge {
+                        key,
+                        entries,
+                        allowed: usage.num_requests_allowed,
+                    }),
+                    None => shared.metrics.skipped.with_label_values(&["no_rule"]).inc(),
+                },
             }
         }
+        self.charge(shared, domain, charges, &mut splits, &mut actions)
+            .await;
         for key in gone {
             let Some(held) = self.buckets.remove(&key) else {
                 continue;
@@ -541,7 +574,12 @@ impl StreamState {
             let board_key = board_key(domain, &split.key);
             let board = &shared.board;
             let (member, demand) = (self.id.as_str(), held.demand);
-            async move { board.exchange(&board_key, member, demand, ttl).await }
+            async move {
+                match &split.failed {
+                    Some(error) => Err(error.clone()),
+                    None => board.exchange(&board_key, member, demand, ttl).await,
+                }
+            }
         });
         let answers = join_all(exchanges).await;
         for (split, answer) in splits.iter().zip(answers) {
@@ -576,15 +614,20 @@ impl StreamState {
                         .iter()
                         .position(|d| d.member == self.id)
                         .map_or(split.limit / (live.len() + 1) as f64, |at| shares[at]);
-                    let mut bucket =
-                        alloc::bucket_for(own, alloc::fill_seconds_for(split.limit), held.interval);
+                    let mut bucket = alloc::bucket_for(own, split.fill, held.interval);
                     if let Some(Sent::Bucket(old)) = held.sent
                         && alloc::keep(old, bucket)
                     {
                         bucket = old;
                     }
-                    held.sent = Some(Sent::Bucket(bucket));
-                    actions.push(held.action(Sent::Bucket(bucket), TTL_INTERVALS, MIN_TTL_SECONDS));
+                    // A shared budget with nothing left: exact, and no burst of a fresh bucket.
+                    let sent = if split.limit > 0.0 {
+                        Sent::Bucket(bucket)
+                    } else {
+                        Sent::DenyAll
+                    };
+                    held.sent = Some(sent);
+                    actions.push(held.action(sent, TTL_INTERVALS, MIN_TTL_SECONDS));
                     let labels = [domain, held.label.as_str()];
                     let metrics = &shared.metrics;
                     metrics
@@ -628,6 +671,52 @@ impl StreamState {
         Ok((!actions.is_empty()).then_some(RateLimitQuotaResponse {
             bucket_action: actions,
         }))
+    }
+
+    /// Charges each shared-budget bucket's allowed requests to its RLS descriptor's counter
+    /// (a charge: recorded whatever the answer; 0 only reads it), all at once, and turns what
+    /// each counter has left into the fleet's rate to split, or a blanket rule.
+    async fn charge(
+        &mut self,
+        shared: &Shared,
+        domain: &str,
+        charges: Vec<Charge>,
+        splits: &mut Vec<Split>,
+        actions: &mut Vec<BucketAction>,
+    ) {
+        let budget = &shared.budget;
+        let answers = join_all(charges.iter().map(|charge| {
+            budget.charge_descriptor(domain, charge.entries.clone(), charge.allowed)
+        }))
+        .await;
+        for (charge, answer) in charges.into_iter().zip(answers) {
+            let Some(held) = self.buckets.get_mut(&charge.key) else {
+                continue;
+            };
+            let (limit, fill, failed) = match answer {
+                Ok(Charged::NoLimit) => {
+                    // The descriptor has no limit for these values: as a bucket without a rule.
+                    shared.metrics.skipped.with_label_values(&["no_rule"]).inc();
+                    continue;
+                }
+                Ok(Charged::Unlimited) => {
+                    held.sent = Some(Sent::AllowAll);
+                    actions.push(held.action(Sent::AllowAll, TTL_INTERVALS, MIN_TTL_SECONDS));
+                    continue;
+                }
+                Ok(Charged::Limits(limits)) => {
+                    let (rate, fill) = alloc::budget_rate(&limits, held.interval);
+                    (rate, fill, None)
+                }
+                Err(error) => (0.0, 1, Some(error)),
+            };
+            splits.push(Split {
+                key: charge.key,
+                limit,
+                fill,
+                failed,
+            });
+        }
     }
 
     /// Takes every demand of this stream off the board: its share goes back at once.

@@ -310,6 +310,7 @@ pub async fn run_with<S: Store>(
         QuotaService::new(
             Arc::clone(&config),
             Arc::clone(&rlqs.board),
+            Arc::clone(&limiter) as Arc<dyn crate::service::ChargeDescriptor>,
             rlqs.settings.clone(),
             crate::rlqs::metrics::RlqsMetrics::new(metrics.registry()),
             stop_rx.clone(),

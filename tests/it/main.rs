@@ -26,6 +26,7 @@ mod reference;
 mod reference_config;
 mod reload;
 mod rlqs;
+mod rlqs_shared;
 mod sentinel;
 mod simulate;
 mod three_layer;

@@ -30,7 +30,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, ClientTlsConfig};
 
 /// The report interval of these tests.
-const INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const INTERVAL: Duration = Duration::from_secs(1);
 /// The shared limit, requests per second.
 const LIMIT: f64 = 200.0;
 /// How often the client's traffic is stepped.
@@ -104,7 +104,7 @@ struct EnvoyState {
     answers: u64,
 }
 
-struct Envoy {
+pub(crate) struct Envoy {
     state: Arc<Mutex<EnvoyState>>,
     /// Requests per second this Envoy receives, per bucket (as f64 bits).
     demand: Arc<Mutex<HashMap<String, f64>>>,
@@ -116,7 +116,11 @@ struct Envoy {
 }
 
 impl Envoy {
-    fn start(target: std::net::SocketAddr, domain: &str, demand: &[(&str, f64)]) -> Envoy {
+    pub(crate) fn start(
+        target: std::net::SocketAddr,
+        domain: &str,
+        demand: &[(&str, f64)],
+    ) -> Envoy {
         Envoy::start_tls(target, domain, demand, None)
     }
 
@@ -164,11 +168,11 @@ impl Envoy {
             .insert(bucket.to_owned(), rate);
     }
 
-    fn admitted(&self) -> u64 {
+    pub(crate) fn admitted(&self) -> u64 {
         self.admitted.load(Ordering::Relaxed)
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.task.await;
     }
@@ -773,7 +777,7 @@ async fn blanket_rules_and_idle_buckets_are_abandoned() {
 }
 
 /// A raw stream: sends `reports` one by one, returns each answer or the status that ended it.
-async fn raw(
+pub(crate) async fn raw(
     addr: std::net::SocketAddr,
     reports: Vec<RateLimitQuotaUsageReports>,
 ) -> Result<Vec<RateLimitQuotaResponse>, tonic::Status> {
@@ -802,7 +806,7 @@ async fn raw(
     Ok(out)
 }
 
-fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
+pub(crate) fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
     BucketQuotaUsage {
         bucket_id: Some(bucket_id(name)),
         time_elapsed: Some(prost_types::Duration { seconds, nanos: 0 }),
@@ -811,7 +815,7 @@ fn usage(name: &str, allowed: u64, seconds: i64) -> BucketQuotaUsage {
     }
 }
 
-fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageReports {
+pub(crate) fn reports(domain: &str, usages: Vec<BucketQuotaUsage>) -> RateLimitQuotaUsageReports {
     RateLimitQuotaUsageReports {
         domain: domain.to_owned(),
         bucket_quota_usages: usages,

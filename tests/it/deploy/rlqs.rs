@@ -537,7 +537,7 @@ fn checked_buckets_of(envoy: &str, rlsd: &str) -> Vec<(Bucket, BucketRule)> {
 fn envoy_rlqs_bucket_ids_meet_the_items_written_for_them() {
     let buckets = checked_buckets();
     // The three kinds of answer are all shown.
-    let quotas: Vec<Quota> = buckets.iter().map(|(_, rule)| rule.quota).collect();
+    let quotas: Vec<Quota> = buckets.iter().map(|(_, rule)| rule.quota.clone()).collect();
     assert!(quotas.contains(&Quota::Unlimited) && quotas.contains(&Quota::Zero));
     assert!(quotas.iter().any(|q| matches!(q, Quota::PerSecond(_))));
 }
@@ -733,7 +733,7 @@ fn the_standalone_rlsd_serves_the_rlqs_domain() {
 }
 
 /// The answer rlsd must give a bucket held to `quota`.
-fn expected_strategy(quota: Quota, strategy: &Strategy) -> bool {
+fn expected_strategy(quota: &Quota, strategy: &Strategy) -> bool {
     match (quota, strategy) {
         (Quota::Unlimited, Strategy::BlanketRule(rule)) => *rule == BlanketRule::AllowAll as i32,
         (Quota::Zero, Strategy::BlanketRule(rule)) => *rule == BlanketRule::DenyAll as i32,
@@ -743,7 +743,7 @@ fn expected_strategy(quota: Quota, strategy: &Strategy) -> bool {
             // One Envoy reporting: its share is the whole limit, less rlsd's margin for bursts.
             seconds >= 1 && {
                 let rate = f64::from(tokens) / seconds as f64;
-                rate > 0.8 * limit && rate <= limit
+                rate > 0.8 * limit && rate <= *limit
             }
         }
         _ => false,
@@ -799,7 +799,7 @@ async fn rlsd_answers_every_bucket_id_of_the_envoy_file() {
             .and_then(|s| s.strategy.as_ref())
             .unwrap_or_else(|| panic!("{bucket:?}: no strategy"));
         assert!(
-            expected_strategy(rule.quota, strategy),
+            expected_strategy(&rule.quota, strategy),
             "{bucket:?}, held to {:?} (line {} of {RLSD}), was assigned {strategy:?}",
             rule.quota,
             rule.line
