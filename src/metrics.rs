@@ -1,14 +1,16 @@
 //! Prometheus metrics, under the names envoyproxy/ratelimit's users already chart
 //! (`ratelimit_service_rate_limit_*`), plus rlsd's own (`rlsd_*`).
 
+mod sharded;
+
 use std::collections::HashMap;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
-};
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+pub use sharded::{Histogram, HistogramFamily};
+use sharded::{LimitTable, NEAR_LIMIT, OVER_LIMIT, SHADOW_MODE, TOTAL_HITS, WITHIN_LIMIT};
 
 /// Latency buckets in seconds: sub-millisecond resolution where rlsd lives, up to Envoy's 20 ms
 /// default timeout and past it.
@@ -40,16 +42,6 @@ impl LatencyUnit {
 /// Usage ratio above which allowed hits also count as `near_limit` (envoyproxy/ratelimit's 0.8).
 pub const DEFAULT_NEAR_LIMIT_RATIO: f64 = 0.8;
 
-/// The per-limit counters of one `domain` + descriptor path.
-#[derive(Clone)]
-pub struct LimitCounters {
-    total_hits: IntCounter,
-    over_limit: IntCounter,
-    near_limit: IntCounter,
-    within_limit: IntCounter,
-    shadow_mode: IntCounter,
-}
-
 /// What one limit decided for one request, for [`Metrics::record_limit`].
 #[derive(Clone, Copy, Debug)]
 pub struct LimitResult {
@@ -69,19 +61,15 @@ pub struct LimitResult {
 pub struct Metrics {
     registry: Registry,
     near_limit_ratio: f64,
-    total_hits: IntCounterVec,
-    over_limit: IntCounterVec,
-    near_limit: IntCounterVec,
-    within_limit: IntCounterVec,
-    shadow_mode: IntCounterVec,
-    /// Cached handles by domain, then path: label lookups (and allocations) stay off the
-    /// request path once a limit has been seen.
-    limits: RwLock<LimitMap<LimitMap<Arc<LimitCounters>>>>,
+    /// The per-limit counters (`total_hits`, `over_limit`, ...) by domain, then path, sharded
+    /// by thread: label lookups (and allocations) stay off the request path once a limit has
+    /// been seen, and so do cache lines the other core writes.
+    limits: LimitTable,
     /// `ShouldRateLimit` latency, as the server measures it, in `latency_unit`.
-    pub request_duration: Histogram,
+    pub request_duration: Arc<Histogram>,
     latency_unit: LatencyUnit,
     /// Store call latency by store.
-    pub store_duration: HistogramVec,
+    pub store_duration: HistogramFamily,
     /// Store failures by kind (`unavailable`, `timeout`, `full`, ...).
     pub store_errors: IntCounterVec,
     /// Requests answered by the failure mode, by mode.
@@ -151,60 +139,28 @@ impl Metrics {
             }
         };
         let scale = latency_unit.per_second();
-        let per_limit = ["domain", "descriptor"];
         let r = &registry;
         register(r, crate::server::shed::SHED_TOTAL.clone());
-        let request_duration = register(
-            r,
-            Histogram::with_opts(
-                HistogramOpts::new(latency_name, "ShouldRateLimit latency inside rlsd")
-                    .buckets(LATENCY_BUCKETS.iter().map(|bound| bound * scale).collect()),
-            )
-            .unwrap_or_else(|error| unreachable!("histogram is well-formed: {error}")),
+        let request_durations = HistogramFamily::new(
+            latency_name,
+            "ShouldRateLimit latency inside rlsd",
+            None,
+            LATENCY_BUCKETS.iter().map(|bound| bound * scale).collect(),
         );
-        let store_duration = register(
-            r,
-            HistogramVec::new(
-                HistogramOpts::new("rlsd_store_call_duration_seconds", "Store call latency")
-                    .buckets(LATENCY_BUCKETS.to_vec()),
-                &["store"],
-            )
-            .unwrap_or_else(|error| unreachable!("histogram is well-formed: {error}")),
+        register(r, request_durations.collector());
+        let store_duration = HistogramFamily::new(
+            "rlsd_store_call_duration_seconds",
+            "Store call latency",
+            Some("store"),
+            LATENCY_BUCKETS.to_vec(),
         );
+        register(r, store_duration.collector());
+        let (limits, limit_collector) = LimitTable::new();
+        register(r, limit_collector);
         Metrics {
             near_limit_ratio,
-            total_hits: counter_vec(
-                r,
-                "ratelimit_service_rate_limit_total_hits",
-                "Hits checked against a limit",
-                &per_limit,
-            ),
-            over_limit: counter_vec(
-                r,
-                "ratelimit_service_rate_limit_over_limit",
-                "Hits denied by a limit",
-                &per_limit,
-            ),
-            near_limit: counter_vec(
-                r,
-                "ratelimit_service_rate_limit_near_limit",
-                "Allowed hits above the near-limit ratio",
-                &per_limit,
-            ),
-            within_limit: counter_vec(
-                r,
-                "ratelimit_service_rate_limit_within_limit",
-                "Hits allowed by a limit",
-                &per_limit,
-            ),
-            shadow_mode: counter_vec(
-                r,
-                "ratelimit_service_rate_limit_shadow_mode",
-                "Hits a shadow-mode limit would have denied",
-                &per_limit,
-            ),
-            limits: RwLock::default(),
-            request_duration,
+            limits,
+            request_duration: request_durations.series(String::new()),
             latency_unit,
             store_duration,
             store_errors: counter_vec(
@@ -274,52 +230,22 @@ impl Metrics {
         }
     }
 
-    /// The counters of one limit, created on first use.
-    pub fn limit(&self, domain: &str, path: &str) -> Arc<LimitCounters> {
-        let cached = self
-            .limits
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(domain)
-            .and_then(|paths| paths.get(path))
-            .cloned();
-        if let Some(counters) = cached {
-            return counters;
-        }
-        let labels = [domain, path];
-        // One Arc for the five handles: a request clones one pointer per limit, not five.
-        let counters = Arc::new(LimitCounters {
-            total_hits: self.total_hits.with_label_values(&labels),
-            over_limit: self.over_limit.with_label_values(&labels),
-            near_limit: self.near_limit.with_label_values(&labels),
-            within_limit: self.within_limit.with_label_values(&labels),
-            shadow_mode: self.shadow_mode.with_label_values(&labels),
-        });
-        self.limits
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(domain.to_owned())
-            .or_default()
-            .insert(path.to_owned(), Arc::clone(&counters));
-        counters
-    }
-
     /// Counts one limit's decision, as envoyproxy/ratelimit does: every hit in `total_hits`, and
     /// each in `over_limit`, or `within_limit` (and `near_limit` for the hits above the ratio);
     /// shadow limits that would deny count in `shadow_mode` and `over_limit`.
-    pub fn record_limit(&self, counters: &LimitCounters, result: LimitResult) {
-        counters.total_hits.inc_by(result.hits);
-        if result.allowed {
-            counters.within_limit.inc_by(result.hits);
-            counters
-                .near_limit
-                .inc_by(near_limit_hits(&result, self.near_limit_ratio));
-        } else {
-            counters.over_limit.inc_by(result.hits);
-            if result.shadow {
-                counters.shadow_mode.inc_by(result.hits);
+    pub fn record_limit(&self, domain: &str, path: &str, result: LimitResult) {
+        self.limits.with(domain, path, |counters| {
+            counters.add(TOTAL_HITS, result.hits);
+            if result.allowed {
+                counters.add(WITHIN_LIMIT, result.hits);
+                counters.add(NEAR_LIMIT, near_limit_hits(&result, self.near_limit_ratio));
+            } else {
+                counters.add(OVER_LIMIT, result.hits);
+                if result.shadow {
+                    counters.add(SHADOW_MODE, result.hits);
+                }
             }
-        }
+        });
     }
 
     /// Records a request's latency.
@@ -393,5 +319,68 @@ mod tests {
         assert_eq!(near(10, 8, 2), 2);
         // L = 3: floor(2.4) = 2, so only the third hit.
         assert_eq!([near(3, 0, 1), near(3, 1, 1), near(3, 2, 1)], [0, 0, 1]);
+    }
+
+    #[test]
+    fn counts_from_many_threads_add_up_in_one_series_as_prometheus_renders_it() {
+        let metrics = Metrics::new(DEFAULT_NEAR_LIMIT_RATIO);
+        let allowed = LimitResult {
+            hits: 2,
+            allowed: true,
+            shadow: false,
+            limit: 1_000_000,
+            remaining: 500_000,
+        };
+        let denied = LimitResult {
+            allowed: false,
+            shadow: true,
+            ..allowed
+        };
+        std::thread::scope(|scope| {
+            // More threads than shards, so some share one.
+            for _ in 0..12 {
+                scope.spawn(|| {
+                    for _ in 0..100 {
+                        metrics.record_limit("web", "web.path_/a", allowed);
+                        metrics.record_limit("web", "web.path_/b", denied);
+                        metrics.observe_request(Duration::from_micros(300));
+                    }
+                });
+            }
+        });
+        metrics
+            .store_duration
+            .series("memory".to_owned())
+            .observe(0.002);
+        let text = metrics.render();
+        for line in [
+            r#"ratelimit_service_rate_limit_total_hits{descriptor="web.path_/a",domain="web"} 2400"#,
+            r#"ratelimit_service_rate_limit_within_limit{descriptor="web.path_/a",domain="web"} 2400"#,
+            r#"ratelimit_service_rate_limit_near_limit{descriptor="web.path_/a",domain="web"} 0"#,
+            r#"ratelimit_service_rate_limit_over_limit{descriptor="web.path_/a",domain="web"} 0"#,
+            r#"ratelimit_service_rate_limit_over_limit{descriptor="web.path_/b",domain="web"} 2400"#,
+            r#"ratelimit_service_rate_limit_shadow_mode{descriptor="web.path_/b",domain="web"} 2400"#,
+            "# TYPE ratelimit_service_rate_limit_total_hits counter",
+            "# TYPE ratelimit_service_should_rate_limit_duration_seconds histogram",
+            r#"ratelimit_service_should_rate_limit_duration_seconds_bucket{le="0.00025"} 0"#,
+            r#"ratelimit_service_should_rate_limit_duration_seconds_bucket{le="0.0005"} 1200"#,
+            r#"ratelimit_service_should_rate_limit_duration_seconds_bucket{le="+Inf"} 1200"#,
+            "ratelimit_service_should_rate_limit_duration_seconds_count 1200",
+            r#"rlsd_store_call_duration_seconds_bucket{store="memory",le="0.001"} 0"#,
+            r#"rlsd_store_call_duration_seconds_bucket{store="memory",le="0.002"} 1"#,
+            r#"rlsd_store_call_duration_seconds_count{store="memory"} 1"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from:\n{text}"
+            );
+        }
+        let sum = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("ratelimit_service_should_rate_limit_duration_seconds_sum ")
+            })
+            .and_then(|v| v.parse::<f64>().ok());
+        assert!(sum.is_some_and(|sum| (sum - 0.36).abs() < 1e-9), "{sum:?}");
     }
 }

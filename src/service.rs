@@ -178,7 +178,7 @@ pub struct RateLimiter<S> {
     settings: ServiceSettings,
     metrics: Arc<Metrics>,
     /// `store_duration` for this store, looked up once instead of per request.
-    store_duration: prometheus::Histogram,
+    store_duration: Arc<crate::metrics::Histogram>,
     /// Whether the last store call failed, so failures and recoveries are logged once.
     store_failing: AtomicBool,
     /// Traces each call when tracing is on.
@@ -318,13 +318,13 @@ impl<S: Store> RateLimiter<S> {
                 Some(path) => Cow::Borrowed(path),
                 None => format!("{}.limit_override", request.domain).into(),
             };
-            let counters = self.metrics.limit(&request.domain, &path);
             let hits = match check.hits {
                 Hits::Take(n) | Hits::Charge(n) => n,
                 Hits::Peek | Hits::Refund(_) => 0,
             };
             self.metrics.record_limit(
-                &counters,
+                &request.domain,
+                &path,
                 LimitResult {
                     hits,
                     allowed: outcome.verdict.allowed,
@@ -391,8 +391,8 @@ impl<S: Store> RateLimiter<S> {
     }
 }
 
-fn store_duration(metrics: &Metrics, store: &impl Store) -> prometheus::Histogram {
-    metrics.store_duration.with_label_values(&[store.name()])
+fn store_duration(metrics: &Metrics, store: &impl Store) -> Arc<crate::metrics::Histogram> {
+    metrics.store_duration.series(store.name().to_owned())
 }
 
 /// Something that answers `ShouldRateLimit`, without naming its store: what the admin `/json`
