@@ -18,7 +18,9 @@
 --           "c<n>" does but records it only if the request is allowed (a dry run's)
 -- then      optionally, the expiry jitter: milliseconds added to the TTL of every key this
 --           call writes (EXPIRATION_JITTER_MAX_SECONDS: the caller draws it, 0..N s, per call),
---           so keys of one window do not all expire at once; answers never see it
+--           so keys of one window do not all expire at once; answers never see it (a fixed
+--           window's key that already holds the window keeps the expiry, jitter included, that
+--           the window's first write gave it)
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
 -- Reply: one string of decimal integers separated by spaces: the script's clock (µs), then three
@@ -492,12 +494,38 @@ local function assess(c, mode, n, st, now)
   return run(c, st, now, n, n)
 end
 
+-- What `assess` answers for the usual check, `n` hits taken from a fixed window no newer than
+-- the limit's current one (`c.window`, set when the limit is parsed), in one call instead of
+-- four and without their arithmetic: most checks are these.
+local function taken_in_window(c, st, n)
+  local count = 0
+  if st and st.window == c.window then
+    count = st.count
+  end
+  local l = c.l
+  if count + n <= l then
+    if n == 0 then
+      return true, l - count, c.reset_ms, l - count
+    end
+    return true, l - count - n, c.reset_ms, l - count, { window = c.window, count = count + n }, c.ttl
+  end
+  local remaining = max(0, l - count)
+  return false, remaining, c.reset_ms, remaining
+end
+
 -- Writing state ----------------------------------------------------------------------------
 
 -- Set from the optional last argument, once the requests are parsed.
 local jitter_ms = 0
 
-local function store(c, key, st, ttl, now)
+-- `kept`: a fixed window's key that already holds this window, so its expiry (set by the
+-- write that opened the window: the window's end plus the slack, on Redis's clock) stands.
+local function store(c, key, st, ttl, now, kept)
+  if kept then
+    -- SET with KEEPTTL: no TTL to format, and Redis neither sets nor rewrites an expiry.
+    redis.call('SET', key, string.format('%d %d', st.window, st.count), 'KEEPTTL')
+    return
+  end
   -- Formatted here: Redis would turn a Lua number into text with %.17g, a slower conversion.
   ttl = string.format('%d', max(1, ceil(ttl / 1000)) + jitter_ms)
   if c.alg == 'swlc' then
@@ -576,6 +604,13 @@ for i = 1, limit_count do
     c.t = emission_interval(c)
     c.tau = max(0, c.b - 1) * c.t
   end
+  -- A fixed window's window, reset and TTL at `now` are the same for every check of the
+  -- limit: computed once here for the usual check (see `taken_in_window`).
+  if alg == 'fw' and c.l ~= 0 then
+    c.window = idiv(now, c.p)
+    c.reset_us = max(0, (c.window + 1) * c.p - now)
+    c.reset_ms, c.ttl = round_up_ms(c.reset_us), c.reset_us + SLACK
+  end
   limit_named[string.format('%d', i)] = c
 end
 local first_request_arg = 3 + 5 * limit_count
@@ -629,6 +664,8 @@ end
 -- after a write and read again, since their writes are deltas. `pending_at` holds the state a
 -- request has built but not yet written, tagged with the request in `pending_in`.
 local loaded_at, pending_at, pending_in, written_in = {}, {}, {}, {}
+-- The window a fixed window's key held when the call began, if it held one.
+local window_in_redis = {}
 local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
 local charged_of, charge_of = {}, {}
 -- A string key's state is written once per call, after the last request: the call is atomic,
@@ -637,6 +674,93 @@ local charged_of, charge_of = {}, {}
 -- writing after every request would have left.
 local final_slots, finals, final_limit, final_state, final_ttl = {}, 0, {}, {}, {}
 local reply, replies = { string.format('%d', now) }, 1
+
+-- Per check of the request at hand: its hits, and its window's count before them.
+local simple_in, take_at, used_at = {}, {}, {}
+
+-- Most requests are only fixed-window takes (see `taken_in_window`), each on its own key and
+-- none in quota mode: such a request is decided, written and answered here in two short
+-- passes, without the general loop's bookkeeping for charges, refunds, quotas and keys
+-- checked twice, with the same answers and writes. Any other request returns false, having
+-- changed nothing but the cache of loaded states, and goes through the general loop.
+local function decided_simply(r, first_check, first_arg, count)
+  local allowed_all = true
+  local g, arg = first_check, first_arg
+  for i = 1, count do
+    local c, s = limit_of[g], slot_of_check[g]
+    if not c.window or c.quota or simple_in[s] == r then
+      return false
+    end
+    simple_in[s] = r
+    local hits, n = ARGV[arg + 1], 1
+    if hits ~= '1' then
+      -- A take is digits; a peek, refund or charge starts with a letter.
+      local byte = string.byte(hits)
+      if not byte or byte < 48 or byte > 57 then
+        return false
+      end
+      n = hits + 0
+      if n > c.l then
+        return false
+      end
+    end
+    local st = loaded_at[s]
+    if st == nil then
+      st = parse('fw', raw_at[s])
+      if st then
+        window_in_redis[s] = st.window
+      end
+      loaded_at[s] = st
+    end
+    local used = 0
+    if st then
+      if st.window > c.window then
+        return false
+      elseif st.window == c.window then
+        used = st.count
+      end
+    end
+    take_at[i], used_at[i] = n, used
+    if used + n > c.l and not c.shadow then
+      allowed_all = false
+    end
+    g, arg = g + 1, arg + 2
+  end
+  g = first_check
+  for i = 1, count do
+    local c = limit_of[g]
+    local l, n, used = c.l, take_at[i], used_at[i]
+    replies = replies + 1
+    if used + n > l then
+      reply[replies] = string.format('0 %d %d', max(0, l - used), c.reset_ms)
+    elseif not allowed_all then
+      -- Allowed, but the request is denied: nothing taken.
+      reply[replies] = string.format('1 %d %d', l - used, c.reset_ms)
+    else
+      if n > 0 then
+        -- Updated in place: every state table is this call's own, and nothing reads a slot's
+        -- earlier state once a later request has committed over it.
+        local s = slot_of_check[g]
+        local new = loaded_at[s]
+        if new then
+          new.window, new.count = c.window, used + n
+        else
+          new = { window = c.window, count = used + n }
+          loaded_at[s] = new
+        end
+        if not final_state[s] then
+          finals = finals + 1
+          final_slots[finals] = s
+        end
+        final_limit[s], final_state[s], final_ttl[s] = c, new, c.ttl
+      end
+      reply[replies] = string.format('1 %d %d', l - used - n, c.reset_ms)
+    end
+    g = g + 1
+  end
+  return true
+end
+
 local next_check, next_arg = 1, first_request_arg + 1
 for r = 1, request_count do
   local count = count_of[r]
@@ -651,6 +775,8 @@ for r = 1, request_count do
       replies = replies + 1
       reply[replies] = '2 0 0'
     end
+  elseif decided_simply(r, next_check, next_arg, count) then
+    next_check, next_arg = next_check + count, next_arg + 2 * count
   else
     for i = 1, count do
       local c, s = limit_of[next_check], slot_of_check[next_check]
@@ -679,11 +805,19 @@ for r = 1, request_count do
             st = load_log(key_at[s], now, c.p)
           else
             st = parse(c.alg, raw_at[s])
+            if st and c.window then
+              window_in_redis[s] = st.window
+            end
           end
           loaded_at[s] = st
         end
       end
-      local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+      local allowed, remaining, reset, unconsumed, new, ttl
+      if c.window and mode == 't' and n <= c.l and not (st and st.window > c.window) then
+        allowed, remaining, reset, unconsumed, new, ttl = taken_in_window(c, st, n)
+      else
+        allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+      end
       allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
       state_of[i], ttl_of[i], charged_of[i], charge_of[i] = new, ttl, mode == 'c', n
       if mode == 'c' then
@@ -763,6 +897,7 @@ for r = 1, request_count do
 end
 for f = 1, finals do
   local s = final_slots[f]
-  store(final_limit[s], key_at[s], final_state[s], final_ttl[s], now)
+  local c, st = final_limit[s], final_state[s]
+  store(c, key_at[s], st, final_ttl[s], now, c.window and window_in_redis[s] == st.window)
 end
 return table.concat(reply, ' ')
