@@ -2,7 +2,8 @@
 """Redis's own cost of the store's script (lua/ratelimit.lua), for two versions side by side.
 
 Sends redis-server the EVALSHA calls the Redis store sends for the 3-layer bench request (three
-fixed-window checks: edge, plan+key, endpoint+key; limits that never fill; Redis's clock), and
+checks: edge, plan+key, endpoint+key; fixed windows, or `--algorithm` as the script names it:
+gcra is the gRPC bench's default; limits that never fill; Redis's clock), and
 reports for each script given, in the same run:
 
 - `callgrind`: redis-server's instructions per call under `valgrind --tool=callgrind`, as
@@ -18,7 +19,7 @@ Scenarios (requests per call, and whose keys):
   one1       one request per call (no coalescing)
 
     python3 benches/script_cost.py [--rev REV | --script FILE]... [--modes callgrind,usec]
-        [--scenarios shared16,distinct16,one1] [--rounds 3] [--calls 20000]
+        [--scenarios shared16,distinct16,one1] [--rounds 3] [--calls 20000] [--algorithm fw]
 
 `--rev REV` takes lua/ratelimit.lua at a git revision (e.g. `--rev HEAD~1 --rev HEAD`);
 `--script FILE` a file. The period is 60 s (`--period-us`): a slower server (valgrind) would
@@ -85,6 +86,9 @@ def keys_of(client):
             'bench:endpoint=search:api_key=client-%d' % client]
 
 
+ALGORITHM = 'fw'
+
+
 def call_args(clients, period_us):
     keys, requests = [], []
     for client in clients:
@@ -92,7 +96,8 @@ def call_args(clients, period_us):
         for key in keys_of(client):
             keys.append(key)
             requests += ['1', '1']
-    limits = ['1', 'fw', '4000000000', str(period_us), '0', '0']
+    # A burst as large as the limit, as the benches' config has for GCRA and token buckets.
+    limits = ['1', ALGORITHM, '4000000000', str(period_us), '4000000000', '0']
     return [len(keys)] + keys + [''] + limits + [len(clients)] + requests
 
 
@@ -166,7 +171,10 @@ def main():
     parser.add_argument('--low', type=int, default=50)
     parser.add_argument('--high', type=int, default=250)
     parser.add_argument('--period-us', type=int, default=60_000_000)
+    parser.add_argument('--algorithm', default='fw', help='fw, gcra, tb, swc or swlc')
     args = parser.parse_args()
+    global ALGORITHM
+    ALGORITHM = args.algorithm
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     scripts = [(rev, subprocess.check_output(['git', 'show', rev + ':lua/ratelimit.lua'],
                                              cwd=root, text=True)) for rev in args.rev]

@@ -53,8 +53,16 @@ local function idiv(a, b)
   return q
 end
 
+-- `idiv(us + 999, 1000) * 1000`, with idiv's body written out: one call instead of two.
 local function round_up_ms(us)
-  return idiv(us + 999, 1000) * 1000
+  local a = us + 999
+  local q = floor(a / 1000)
+  if q * 1000 > a then
+    q = q - 1
+  elseif (q + 1) * 1000 <= a then
+    q = q + 1
+  end
+  return q * 1000
 end
 
 local match = string.match
@@ -513,6 +521,49 @@ local function taken_in_window(c, st, n)
   return false, remaining, c.reset_ms, remaining
 end
 
+-- A usual take of `n` hits (see `decided_simply`) on a fixed window no newer than the limit's
+-- current one, or on GCRA: what `assess` answers (allowed, remaining, reset in whole ms,
+-- unconsumed) and the new state's one number (the window's count, or the arrival time; nil:
+-- nothing to write) and TTL, computing what `fixed_window` and `gcra` compute but without a
+-- state table; nil when the window is newer (a clock that stepped back).
+local function fixed_window_take(c, st, n)
+  local used = 0
+  if st then
+    if st.window > c.window then
+      return nil
+    elseif st.window == c.window then
+      used = st.count
+    end
+  end
+  local l = c.l
+  if used + n <= l then
+    return true, l - used - n, c.reset_ms, l - used, n > 0 and used + n or nil, c.ttl
+  end
+  local remaining = max(0, l - used)
+  return false, remaining, c.reset_ms, remaining
+end
+
+local function gcra_take(c, st, n, now)
+  local t = c.t
+  local tat0 = now
+  if st and st.tat > now then
+    tat0 = st.tat
+  end
+  local horizon = now + c.tau + t
+  if horizon >= tat0 + n * t then
+    local new_tat = tat0 + n * t
+    -- An interval of 1 µs (a limit of at least one hit per µs of its period) divides exactly.
+    local remaining = horizon - new_tat
+    if t ~= 1 then
+      remaining = idiv(remaining, t)
+    end
+    return true, remaining, round_up_ms(new_tat - now), remaining + n,
+      n > 0 and new_tat or nil, new_tat - now + SLACK
+  end
+  local remaining = min(idiv(max(0, horizon - tat0), t), c.b)
+  return false, remaining, round_up_ms(tat0 + n * t - c.tau - t - now), remaining
+end
+
 -- Writing state ----------------------------------------------------------------------------
 
 -- Set from the optional last argument, once the requests are parsed.
@@ -588,6 +639,7 @@ end
 -- Limits, each also under the text checks name it by ("1", "2", ...), so naming one costs a
 -- table lookup instead of a number conversion.
 local limit_named = {}
+local TAKES = { fw = fixed_window_take, gcra = gcra_take }
 local limit_count = ARGV[2] + 0
 for i = 1, limit_count do
   local a = 3 + 5 * (i - 1)
@@ -610,6 +662,10 @@ for i = 1, limit_count do
     c.window = idiv(now, c.p)
     c.reset_us = max(0, (c.window + 1) * c.p - now)
     c.reset_ms, c.ttl = round_up_ms(c.reset_us), c.reset_us + SLACK
+  end
+  -- How `decided_simply` decides a take on this limit, if it can (not in quota mode, L > 0).
+  if c.l ~= 0 and not c.quota then
+    c.take = TAKES[alg]
   end
   limit_named[string.format('%d', i)] = c
 end
@@ -675,20 +731,23 @@ local charged_of, charge_of = {}, {}
 local final_slots, finals, final_limit, final_state, final_ttl = {}, 0, {}, {}, {}
 local reply, replies = { string.format('%d', now) }, 1
 
--- Per check of the request at hand: its hits, and its window's count before them.
-local simple_in, take_at, used_at = {}, {}, {}
+-- Per check of the request at hand: allowed, remaining, reset, unconsumed, new state, TTL.
+local simple_in, allowed_at, remaining_at, reset_at, unconsumed_at, new_at, ttl_at =
+  {}, {}, {}, {}, {}, {}, {}
 
--- Most requests are only fixed-window takes (see `taken_in_window`), each on its own key and
--- none in quota mode: such a request is decided, written and answered here in two short
--- passes, without the general loop's bookkeeping for charges, refunds, quotas and keys
--- checked twice, with the same answers and writes. Any other request returns false, having
--- changed nothing but the cache of loaded states, and goes through the general loop.
+-- Most requests are only takes (a number of hits) on fixed windows or GCRA, each on its own
+-- key and none in quota mode: such a request is decided, written and answered here in two
+-- short passes, without the general loop's bookkeeping for charges, refunds, quotas and keys
+-- checked twice and without a table per check, with the same answers and writes. Any other
+-- request returns false, having changed nothing but the cache of loaded states, and goes
+-- through the general loop.
 local function decided_simply(r, first_check, first_arg, count)
   local allowed_all = true
   local g, arg = first_check, first_arg
   for i = 1, count do
     local c, s = limit_of[g], slot_of_check[g]
-    if not c.window or c.quota or simple_in[s] == r then
+    local take = c.take
+    if not take or simple_in[s] == r then
       return false
     end
     simple_in[s] = r
@@ -700,61 +759,63 @@ local function decided_simply(r, first_check, first_arg, count)
         return false
       end
       n = hits + 0
-      if n > c.l then
+      if n > c.capacity then
         return false
       end
     end
     local st = loaded_at[s]
     if st == nil then
-      st = parse('fw', raw_at[s])
-      if st then
+      st = parse(c.alg, raw_at[s])
+      if st and c.window then
         window_in_redis[s] = st.window
       end
       loaded_at[s] = st
     end
-    local used = 0
-    if st then
-      if st.window > c.window then
-        return false
-      elseif st.window == c.window then
-        used = st.count
-      end
+    local allowed, remaining, reset, unconsumed, new, ttl = take(c, st, n, now)
+    if allowed == nil then
+      return false
     end
-    take_at[i], used_at[i] = n, used
-    if used + n > c.l and not c.shadow then
+    allowed_at[i], remaining_at[i], reset_at[i], unconsumed_at[i] = allowed, remaining, reset, unconsumed
+    new_at[i], ttl_at[i] = new, ttl
+    if not allowed and not c.shadow then
       allowed_all = false
     end
     g, arg = g + 1, arg + 2
   end
   g = first_check
   for i = 1, count do
-    local c = limit_of[g]
-    local l, n, used = c.l, take_at[i], used_at[i]
     replies = replies + 1
-    if used + n > l then
-      reply[replies] = string.format('0 %d %d', max(0, l - used), c.reset_ms)
+    if not allowed_at[i] then
+      reply[replies] = string.format('0 %d %d', remaining_at[i], reset_at[i])
     elseif not allowed_all then
       -- Allowed, but the request is denied: nothing taken.
-      reply[replies] = string.format('1 %d %d', l - used, c.reset_ms)
+      reply[replies] = string.format('1 %d %d', unconsumed_at[i], reset_at[i])
     else
-      if n > 0 then
+      local new = new_at[i]
+      if new then
         -- Updated in place: every state table is this call's own, and nothing reads a slot's
         -- earlier state once a later request has committed over it.
-        local s = slot_of_check[g]
-        local new = loaded_at[s]
-        if new then
-          new.window, new.count = c.window, used + n
+        local c, s = limit_of[g], slot_of_check[g]
+        local st = loaded_at[s]
+        if c.window then
+          if st then
+            st.window, st.count = c.window, new
+          else
+            st = { window = c.window, count = new }
+          end
+        elseif st then
+          st.tat = new
         else
-          new = { window = c.window, count = used + n }
-          loaded_at[s] = new
+          st = { tat = new }
         end
+        loaded_at[s] = st
         if not final_state[s] then
           finals = finals + 1
           final_slots[finals] = s
         end
-        final_limit[s], final_state[s], final_ttl[s] = c, new, c.ttl
+        final_limit[s], final_state[s], final_ttl[s] = c, st, ttl_at[i]
       end
-      reply[replies] = string.format('1 %d %d', l - used - n, c.reset_ms)
+      reply[replies] = string.format('1 %d %d', remaining_at[i], reset_at[i])
     end
     g = g + 1
   end
