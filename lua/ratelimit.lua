@@ -502,25 +502,6 @@ local function assess(c, mode, n, st, now)
   return run(c, st, now, n, n)
 end
 
--- What `assess` answers for the usual check, `n` hits taken from a fixed window no newer than
--- the limit's current one (`c.window`, set when the limit is parsed), in one call instead of
--- four and without their arithmetic: most checks are these.
-local function taken_in_window(c, st, n)
-  local count = 0
-  if st and st.window == c.window then
-    count = st.count
-  end
-  local l = c.l
-  if count + n <= l then
-    if n == 0 then
-      return true, l - count, c.reset_ms, l - count
-    end
-    return true, l - count - n, c.reset_ms, l - count, { window = c.window, count = count + n }, c.ttl
-  end
-  local remaining = max(0, l - count)
-  return false, remaining, c.reset_ms, remaining
-end
-
 -- A usual take of `n` hits (see `decided_simply`) on a fixed window no newer than the limit's
 -- current one, or on GCRA: what `assess` answers (allowed, remaining, reset in whole ms,
 -- unconsumed) and the new state's one number (the window's count, or the arrival time; nil:
@@ -657,7 +638,7 @@ for i = 1, limit_count do
     c.tau = max(0, c.b - 1) * c.t
   end
   -- A fixed window's window, reset and TTL at `now` are the same for every check of the
-  -- limit: computed once here for the usual check (see `taken_in_window`).
+  -- limit: computed once here for the usual check (see `fixed_window_take`).
   if alg == 'fw' and c.l ~= 0 then
     c.window = idiv(now, c.p)
     c.reset_us = max(0, (c.window + 1) * c.p - now)
@@ -874,9 +855,14 @@ for r = 1, request_count do
         end
       end
       local allowed, remaining, reset, unconsumed, new, ttl
-      if c.window and mode == 't' and n <= c.l and not (st and st.window > c.window) then
-        allowed, remaining, reset, unconsumed, new, ttl = taken_in_window(c, st, n)
-      else
+      if c.window and mode == 't' and n <= c.l then
+        -- A plain take on a fixed window (in a request the short way does not take).
+        allowed, remaining, reset, unconsumed, new, ttl = fixed_window_take(c, st, n)
+        if new then
+          new = { window = c.window, count = new }
+        end
+      end
+      if allowed == nil then
         allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
       end
       allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
