@@ -18,7 +18,9 @@
 --           "c<n>" does but records it only if the request is allowed (a dry run's)
 -- then      optionally, the expiry jitter: milliseconds added to the TTL of every key this
 --           call writes (EXPIRATION_JITTER_MAX_SECONDS: the caller draws it, 0..N s, per call),
---           so keys of one window do not all expire at once; answers never see it
+--           so keys of one window do not all expire at once; answers never see it (a fixed
+--           window's key that already holds the window keeps the expiry, jitter included, that
+--           the window's first write gave it)
 -- KEYS      the state key of every check, request after request (a key may repeat within a
 --           request: the later check sees the earlier's hits)
 -- Reply: one string of decimal integers separated by spaces: the script's clock (µs), then three
@@ -51,8 +53,16 @@ local function idiv(a, b)
   return q
 end
 
+-- `idiv(us + 999, 1000) * 1000`, with idiv's body written out: one call instead of two.
 local function round_up_ms(us)
-  return idiv(us + 999, 1000) * 1000
+  local a = us + 999
+  local q = floor(a / 1000)
+  if q * 1000 > a then
+    q = q - 1
+  elseif (q + 1) * 1000 <= a then
+    q = q + 1
+  end
+  return q * 1000
 end
 
 local match = string.match
@@ -492,12 +502,62 @@ local function assess(c, mode, n, st, now)
   return run(c, st, now, n, n)
 end
 
+-- A usual take of `n` hits (see `decided_simply`) on a fixed window no newer than the limit's
+-- current one, or on GCRA: what `assess` answers (allowed, remaining, reset in whole ms,
+-- unconsumed) and the new state's one number (the window's count, or the arrival time; nil:
+-- nothing to write) and TTL, computing what `fixed_window` and `gcra` compute but without a
+-- state table; nil when the window is newer (a clock that stepped back).
+local function fixed_window_take(c, st, n)
+  local used = 0
+  if st then
+    if st.window > c.window then
+      return nil
+    elseif st.window == c.window then
+      used = st.count
+    end
+  end
+  local l = c.l
+  if used + n <= l then
+    return true, l - used - n, c.reset_ms, l - used, n > 0 and used + n or nil, c.ttl
+  end
+  local remaining = max(0, l - used)
+  return false, remaining, c.reset_ms, remaining
+end
+
+local function gcra_take(c, st, n, now)
+  local t = c.t
+  local tat0 = now
+  if st and st.tat > now then
+    tat0 = st.tat
+  end
+  local horizon = now + c.tau + t
+  if horizon >= tat0 + n * t then
+    local new_tat = tat0 + n * t
+    -- An interval of 1 µs (a limit of at least one hit per µs of its period) divides exactly.
+    local remaining = horizon - new_tat
+    if t ~= 1 then
+      remaining = idiv(remaining, t)
+    end
+    return true, remaining, round_up_ms(new_tat - now), remaining + n,
+      n > 0 and new_tat or nil, new_tat - now + SLACK
+  end
+  local remaining = min(idiv(max(0, horizon - tat0), t), c.b)
+  return false, remaining, round_up_ms(tat0 + n * t - c.tau - t - now), remaining
+end
+
 -- Writing state ----------------------------------------------------------------------------
 
 -- Set from the optional last argument, once the requests are parsed.
 local jitter_ms = 0
 
-local function store(c, key, st, ttl, now)
+-- `kept`: a fixed window's key that already holds this window, so its expiry (set by the
+-- write that opened the window: the window's end plus the slack, on Redis's clock) stands.
+local function store(c, key, st, ttl, now, kept)
+  if kept then
+    -- SET with KEEPTTL: no TTL to format, and Redis neither sets nor rewrites an expiry.
+    redis.call('SET', key, string.format('%d %d', st.window, st.count), 'KEEPTTL')
+    return
+  end
   -- Formatted here: Redis would turn a Lua number into text with %.17g, a slower conversion.
   ttl = string.format('%d', max(1, ceil(ttl / 1000)) + jitter_ms)
   if c.alg == 'swlc' then
@@ -560,6 +620,7 @@ end
 -- Limits, each also under the text checks name it by ("1", "2", ...), so naming one costs a
 -- table lookup instead of a number conversion.
 local limit_named = {}
+local TAKES = { fw = fixed_window_take, gcra = gcra_take }
 local limit_count = ARGV[2] + 0
 for i = 1, limit_count do
   local a = 3 + 5 * (i - 1)
@@ -575,6 +636,17 @@ for i = 1, limit_count do
   if alg == 'gcra' then
     c.t = emission_interval(c)
     c.tau = max(0, c.b - 1) * c.t
+  end
+  -- A fixed window's window, reset and TTL at `now` are the same for every check of the
+  -- limit: computed once here for the usual check (see `fixed_window_take`).
+  if alg == 'fw' and c.l ~= 0 then
+    c.window = idiv(now, c.p)
+    c.reset_us = max(0, (c.window + 1) * c.p - now)
+    c.reset_ms, c.ttl = round_up_ms(c.reset_us), c.reset_us + SLACK
+  end
+  -- How `decided_simply` decides a take on this limit, if it can (not in quota mode, L > 0).
+  if c.l ~= 0 and not c.quota then
+    c.take = TAKES[alg]
   end
   limit_named[string.format('%d', i)] = c
 end
@@ -629,6 +701,8 @@ end
 -- after a write and read again, since their writes are deltas. `pending_at` holds the state a
 -- request has built but not yet written, tagged with the request in `pending_in`.
 local loaded_at, pending_at, pending_in, written_in = {}, {}, {}, {}
+-- The window a fixed window's key held when the call began, if it held one.
+local window_in_redis = {}
 local allowed_of, remaining_of, unconsumed_of, reset_of, state_of, ttl_of = {}, {}, {}, {}, {}, {}
 local charged_of, charge_of = {}, {}
 -- A string key's state is written once per call, after the last request: the call is atomic,
@@ -637,6 +711,98 @@ local charged_of, charge_of = {}, {}
 -- writing after every request would have left.
 local final_slots, finals, final_limit, final_state, final_ttl = {}, 0, {}, {}, {}
 local reply, replies = { string.format('%d', now) }, 1
+
+-- Per check of the request at hand: allowed, remaining, reset, unconsumed, new state, TTL.
+local simple_in, allowed_at, remaining_at, reset_at, unconsumed_at, new_at, ttl_at =
+  {}, {}, {}, {}, {}, {}, {}
+
+-- Most requests are only takes (a number of hits) on fixed windows or GCRA, each on its own
+-- key and none in quota mode: such a request is decided, written and answered here in two
+-- short passes, without the general loop's bookkeeping for charges, refunds, quotas and keys
+-- checked twice and without a table per check, with the same answers and writes. Any other
+-- request returns false, having changed nothing but the cache of loaded states, and goes
+-- through the general loop.
+local function decided_simply(r, first_check, first_arg, count)
+  local allowed_all = true
+  local g, arg = first_check, first_arg
+  for i = 1, count do
+    local c, s = limit_of[g], slot_of_check[g]
+    local take = c.take
+    if not take or simple_in[s] == r then
+      return false
+    end
+    simple_in[s] = r
+    local hits, n = ARGV[arg + 1], 1
+    if hits ~= '1' then
+      -- A take is digits; a peek, refund or charge starts with a letter.
+      local byte = string.byte(hits)
+      if not byte or byte < 48 or byte > 57 then
+        return false
+      end
+      n = hits + 0
+      if n > c.capacity then
+        return false
+      end
+    end
+    local st = loaded_at[s]
+    if st == nil then
+      st = parse(c.alg, raw_at[s])
+      if st and c.window then
+        window_in_redis[s] = st.window
+      end
+      loaded_at[s] = st
+    end
+    local allowed, remaining, reset, unconsumed, new, ttl = take(c, st, n, now)
+    if allowed == nil then
+      return false
+    end
+    allowed_at[i], remaining_at[i], reset_at[i], unconsumed_at[i] = allowed, remaining, reset, unconsumed
+    new_at[i], ttl_at[i] = new, ttl
+    if not allowed and not c.shadow then
+      allowed_all = false
+    end
+    g, arg = g + 1, arg + 2
+  end
+  g = first_check
+  for i = 1, count do
+    replies = replies + 1
+    if not allowed_at[i] then
+      reply[replies] = string.format('0 %d %d', remaining_at[i], reset_at[i])
+    elseif not allowed_all then
+      -- Allowed, but the request is denied: nothing taken.
+      reply[replies] = string.format('1 %d %d', unconsumed_at[i], reset_at[i])
+    else
+      local new = new_at[i]
+      if new then
+        -- Updated in place: every state table is this call's own, and nothing reads a slot's
+        -- earlier state once a later request has committed over it.
+        local c, s = limit_of[g], slot_of_check[g]
+        local st = loaded_at[s]
+        if c.window then
+          if st then
+            st.window, st.count = c.window, new
+          else
+            st = { window = c.window, count = new }
+          end
+        elseif st then
+          st.tat = new
+        else
+          st = { tat = new }
+        end
+        loaded_at[s] = st
+        if not final_state[s] then
+          finals = finals + 1
+          final_slots[finals] = s
+        end
+        final_limit[s], final_state[s], final_ttl[s] = c, st, ttl_at[i]
+      end
+      reply[replies] = string.format('1 %d %d', remaining_at[i], reset_at[i])
+    end
+    g = g + 1
+  end
+  return true
+end
+
 local next_check, next_arg = 1, first_request_arg + 1
 for r = 1, request_count do
   local count = count_of[r]
@@ -651,6 +817,8 @@ for r = 1, request_count do
       replies = replies + 1
       reply[replies] = '2 0 0'
     end
+  elseif decided_simply(r, next_check, next_arg, count) then
+    next_check, next_arg = next_check + count, next_arg + 2 * count
   else
     for i = 1, count do
       local c, s = limit_of[next_check], slot_of_check[next_check]
@@ -679,11 +847,24 @@ for r = 1, request_count do
             st = load_log(key_at[s], now, c.p)
           else
             st = parse(c.alg, raw_at[s])
+            if st and c.window then
+              window_in_redis[s] = st.window
+            end
           end
           loaded_at[s] = st
         end
       end
-      local allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+      local allowed, remaining, reset, unconsumed, new, ttl
+      if c.window and mode == 't' and n <= c.l then
+        -- A plain take on a fixed window (in a request the short way does not take).
+        allowed, remaining, reset, unconsumed, new, ttl = fixed_window_take(c, st, n)
+        if new then
+          new = { window = c.window, count = new }
+        end
+      end
+      if allowed == nil then
+        allowed, remaining, reset, unconsumed, new, ttl = assess(c, mode, n, st, now)
+      end
       allowed_of[i], remaining_of[i], reset_of[i], unconsumed_of[i] = allowed, remaining, reset, unconsumed
       state_of[i], ttl_of[i], charged_of[i], charge_of[i] = new, ttl, mode == 'c', n
       if mode == 'c' then
@@ -763,6 +944,7 @@ for r = 1, request_count do
 end
 for f = 1, finals do
   local s = final_slots[f]
-  store(final_limit[s], key_at[s], final_state[s], final_ttl[s], now)
+  local c, st = final_limit[s], final_state[s]
+  store(c, key_at[s], st, final_ttl[s], now, c.window and window_in_redis[s] == st.window)
 end
 return table.concat(reply, ' ')
