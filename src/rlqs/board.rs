@@ -72,10 +72,17 @@ impl Signals {
     /// `member` (woken through `wake`) holds `key`.
     pub fn hold(&self, key: &str, member: &str, wake: &Arc<Wake>) {
         let mut holders = self.holders.lock().unwrap_or_else(PoisonError::into_inner);
-        let members = holders.entry(key.to_owned()).or_default();
-        if !members.contains_key(member) {
-            members.insert(member.to_owned(), Arc::clone(wake));
+        // Called at every report: allocates only when the stream starts holding the key.
+        if holders
+            .get(key)
+            .is_some_and(|members| members.contains_key(member))
+        {
+            return;
         }
+        holders
+            .entry(key.to_owned())
+            .or_default()
+            .insert(member.to_owned(), Arc::clone(wake));
     }
 
     /// `member` no longer holds `key`.
