@@ -31,6 +31,8 @@ pub struct RlqsMetrics {
     pub failure_mode_answers: IntCounterVec,
     /// Buckets abandoned after being idle.
     pub abandoned: IntCounter,
+    /// Assignments sent between reports, after peers' demands changed.
+    pub pushes: IntCounter,
     /// Streams of this replica holding each (domain, bucket) series: the series go with the
     /// last, so clients cannot grow `/metrics` beyond the buckets held now.
     holders: Arc<Mutex<HashMap<(String, String), usize>>>,
@@ -120,6 +122,14 @@ impl RlqsMetrics {
                 registry,
                 IntCounter::new("rlsd_rlqs_abandoned_total", "Idle quota buckets abandoned")
                     .unwrap_or_else(|_| unreachable!("rlsd_rlqs_abandoned_total is well-formed")),
+            ),
+            pushes: register(
+                registry,
+                IntCounter::new(
+                    "rlsd_rlqs_pushes_total",
+                    "RLQS assignments sent between reports after peers' demands changed",
+                )
+                .unwrap_or_else(|_| unreachable!("rlsd_rlqs_pushes_total is well-formed")),
             ),
             holders: Arc::default(),
         }

@@ -13,7 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::alloc::{self, Bucket};
-use super::board::DemandBoard;
+use super::board::{Demand, DemandBoard, Wake};
 use super::metrics::RlqsMetrics;
 use super::rules::Quota;
 use crate::config::Config;
@@ -86,6 +86,9 @@ const QUIET_INTERVALS: u32 = 2;
 const MAX_QUIET_INTERVALS: u32 = 3;
 /// The TTL of a failure-mode assignment, in intervals: short, so the real one returns soon.
 const FAILURE_TTL_INTERVALS: f64 = 2.0;
+/// A stream recomputes after peers' changes at most once per this fraction of the report
+/// interval, so a flood of changes cannot make it spin.
+const PUSH_GAP_FRACTION: u32 = 10;
 
 /// The quota service a server routes `StreamRateLimitQuotas` to.
 #[derive(Clone)]
@@ -185,6 +188,7 @@ impl RateLimitQuotaService for QuotaService {
                 id,
                 domain: None,
                 buckets: HashMap::new(),
+                wake: Arc::new(Wake::default()),
             };
             stream.run(&shared, request.into_inner(), &sender).await;
             stream.leave_all(&shared).await;
@@ -201,6 +205,8 @@ struct StreamState {
     id: String,
     domain: Option<String>,
     buckets: HashMap<String, Held>,
+    /// Woken when a peer changes the demands of a bucket this stream has on the board.
+    wake: Arc<Wake>,
 }
 
 /// What a stream knows of one of its buckets.
@@ -226,6 +232,8 @@ struct Held {
     metered: bool,
     /// The last assignment sent.
     sent: Option<Sent>,
+    /// The fleet's rate and fill interval of its last split, for a recompute between reports.
+    split: Option<(f64, u32)>,
     /// While nothing is assigned: a bucket first seen in a periodic report comes from an
     /// Envoy that held it before (rlsd restarted, or its stream moved here), which keeps its
     /// assignment until the TTL while its peers reconnect. Assigning before they are on the
@@ -285,6 +293,10 @@ impl StreamState {
         };
         tokio::pin!(stopping);
         let first_deadline = tokio::time::Instant::now() + shared.settings.first_report_timeout;
+        let wake = Arc::clone(&self.wake);
+        let push_gap = shared.settings.report_interval / PUSH_GAP_FRACTION;
+        let mut last_push = tokio::time::Instant::now();
+        let mut push_at: Option<tokio::time::Instant> = None;
         let ended: Result<(), (Status, &'static str)> = loop {
             let waiting_for_first = self.domain.is_none();
             let next = async {
@@ -305,6 +317,19 @@ impl StreamState {
                     Status::unavailable("rlsd is shutting down: reconnect (assignments hold until their TTL)"),
                     "shutdown",
                 )),
+                // A peer changed a bucket's demands: recompute, coalesced to one per gap.
+                () = wake.changed(), if push_at.is_none() => {
+                    push_at = Some((last_push + push_gap).max(tokio::time::Instant::now()));
+                }
+                () = tokio::time::sleep_until(push_at.unwrap_or_else(tokio::time::Instant::now)), if push_at.is_some() => {
+                    push_at = None;
+                    last_push = tokio::time::Instant::now();
+                    if let Some(response) = self.push(shared).await
+                        && sender.send(Ok(response)).await.is_err()
+                    {
+                        break Ok(());
+                    }
+                }
                 message = next => match message {
                     Ok(None) => break Ok(()),
                     Err(status) if status.code() == tonic::Code::DeadlineExceeded => {
@@ -464,6 +489,7 @@ impl StreamState {
                 on_board: false,
                 metered: false,
                 sent: None,
+                split: None,
                 // Envoy's report of a bucket it just created holds that bucket alone, 1/0 or
                 // 0/1, with time_elapsed 0; anything else is a bucket it held before.
                 quiet: (report.bucket_quota_usages.len() > 1
@@ -552,7 +578,7 @@ impl StreamState {
                 shared.metrics.release(domain, &held.label);
             }
             if held.on_board {
-                shared.board.leave(&board_key(domain, &key), &self.id).await;
+                self.leave(shared, &board_key(domain, &key)).await;
             }
         }
         // Buckets whose rule changed away from a split leave the board.
@@ -566,7 +592,7 @@ impl StreamState {
             }
         }
         for key in left {
-            shared.board.leave(&board_key(domain, &key), &self.id).await;
+            self.leave(shared, &board_key(domain, &key)).await;
         }
         let exchanges = splits.iter().map(|split| {
             let held = &self.buckets[&split.key];
@@ -606,42 +632,13 @@ impl StreamState {
             match answer {
                 Ok(live) => {
                     held.on_board = true;
-                    let demands: Vec<f64> = live.iter().map(|d| d.rate).collect();
-                    let wanted: Vec<f64> =
-                        demands.iter().map(|d| alloc::share_wanted(*d)).collect();
-                    let shares = alloc::max_min_shares(split.limit, &wanted);
-                    let own = live
-                        .iter()
-                        .position(|d| d.member == self.id)
-                        .map_or(split.limit / (live.len() + 1) as f64, |at| shares[at]);
-                    let mut bucket = alloc::bucket_for(own, split.fill, held.interval);
-                    if let Some(Sent::Bucket(old)) = held.sent
-                        && alloc::keep(old, bucket)
-                    {
-                        bucket = old;
-                    }
-                    // A shared budget with nothing left: exact, and no burst of a fresh bucket.
-                    let sent = if split.limit > 0.0 {
-                        Sent::Bucket(bucket)
-                    } else {
-                        Sent::DenyAll
-                    };
-                    held.sent = Some(sent);
+                    shared.board.signals().hold(
+                        &board_key(domain, &split.key),
+                        &self.id,
+                        &self.wake,
+                    );
+                    let sent = held.share(shared, domain, &self.id, split.limit, split.fill, &live);
                     actions.push(held.action(sent, TTL_INTERVALS, MIN_TTL_SECONDS));
-                    let labels = [domain, held.label.as_str()];
-                    let metrics = &shared.metrics;
-                    metrics
-                        .envoys
-                        .with_label_values(&labels)
-                        .set(live.len() as i64);
-                    metrics
-                        .demand
-                        .with_label_values(&labels)
-                        .set(demands.iter().filter(|d| d.is_finite()).sum());
-                    metrics
-                        .assigned
-                        .with_label_values(&labels)
-                        .set(shares.iter().sum::<f64>() * (1.0 - alloc::BURST_SHARE));
                 }
                 Err(error) => {
                     let mode = settings.failure_mode;
@@ -719,6 +716,60 @@ impl StreamState {
         }
     }
 
+    /// Takes this stream's demand for `board_key` off the board.
+    async fn leave(&self, shared: &Shared, board_key: &str) {
+        shared.board.signals().release(board_key, &self.id);
+        shared.board.leave(board_key, &self.id).await;
+    }
+
+    /// After peers changed the demands of some of this stream's buckets: re-reads the board
+    /// for those with a share and recomputes it, answering only where the share leaves the
+    /// keep band (each change is a fresh full bucket in Envoy).
+    async fn push(&mut self, shared: &Shared) -> Option<RateLimitQuotaResponse> {
+        let changed = self.wake.take();
+        let domain = self.domain.clone()?;
+        let keys: Vec<(String, String)> = self
+            .buckets
+            .iter()
+            .filter(|(_, held)| {
+                held.on_board
+                    && held.quiet.is_none()
+                    && held.split.is_some()
+                    && matches!(held.sent, Some(Sent::Bucket(_)))
+            })
+            .map(|(key, _)| (key.clone(), board_key(&domain, key)))
+            .filter(|(_, board_key)| changed.contains(board_key))
+            .collect();
+        if keys.is_empty() {
+            return None;
+        }
+        let board = &shared.board;
+        let answers = join_all(keys.iter().map(|(_, board_key)| board.read(board_key))).await;
+        let mut actions = Vec::new();
+        for ((key, _), answer) in keys.iter().zip(answers) {
+            // A failed read changes nothing: the next report recomputes.
+            let (Ok(live), Some(held)) = (answer, self.buckets.get_mut(key)) else {
+                continue;
+            };
+            let Some((limit, fill)) = held.split else {
+                continue;
+            };
+            if !live.iter().any(|demand| demand.member == self.id) {
+                continue;
+            }
+            let before = held.sent;
+            let sent = held.share(shared, &domain, &self.id, limit, fill, &live);
+            if Some(sent) != before {
+                shared.metrics.pushes.inc();
+                actions.push(held.action(sent, TTL_INTERVALS, MIN_TTL_SECONDS));
+            }
+        }
+        shared.view.update(&self.id, &domain, &self.buckets);
+        (!actions.is_empty()).then_some(RateLimitQuotaResponse {
+            bucket_action: actions,
+        })
+    }
+
     /// Takes every demand of this stream off the board: its share goes back at once.
     async fn leave_all(&mut self, shared: &Shared) {
         let Some(domain) = &self.domain else {
@@ -731,7 +782,10 @@ impl StreamState {
             .map(|(key, _)| {
                 let board_key = board_key(domain, key);
                 let (board, member) = (&shared.board, self.id.as_str());
-                async move { board.leave(&board_key, member).await }
+                async move {
+                    board.signals().release(&board_key, member);
+                    board.leave(&board_key, member).await;
+                }
             });
         join_all(leaving).await;
         for held in self.buckets.values().filter(|held| held.metered) {
@@ -742,6 +796,56 @@ impl StreamState {
 }
 
 impl Held {
+    /// Splits `limit` (refilled every `fill` seconds) over the `live` demands and takes this
+    /// stream's (`member`'s) max-min share, keeping the held bucket when close; records it as
+    /// sent and sets the bucket's gauges.
+    fn share(
+        &mut self,
+        shared: &Shared,
+        domain: &str,
+        member: &str,
+        limit: f64,
+        fill: u32,
+        live: &[Demand],
+    ) -> Sent {
+        let demands: Vec<f64> = live.iter().map(|d| d.rate).collect();
+        let wanted: Vec<f64> = demands.iter().map(|d| alloc::share_wanted(*d)).collect();
+        let shares = alloc::max_min_shares(limit, &wanted);
+        let own = live
+            .iter()
+            .position(|d| d.member == member)
+            .map_or(limit / (live.len() + 1) as f64, |at| shares[at]);
+        let mut bucket = alloc::bucket_for(own, fill, self.interval);
+        if let Some(Sent::Bucket(old)) = self.sent
+            && alloc::keep(old, bucket)
+        {
+            bucket = old;
+        }
+        // A shared budget with nothing left: exact, and no burst of a fresh bucket.
+        let sent = if limit > 0.0 {
+            Sent::Bucket(bucket)
+        } else {
+            Sent::DenyAll
+        };
+        self.sent = Some(sent);
+        self.split = Some((limit, fill));
+        let labels = [domain, self.label.as_str()];
+        let metrics = &shared.metrics;
+        metrics
+            .envoys
+            .with_label_values(&labels)
+            .set(live.len() as i64);
+        metrics
+            .demand
+            .with_label_values(&labels)
+            .set(demands.iter().filter(|d| d.is_finite()).sum());
+        metrics
+            .assigned
+            .with_label_values(&labels)
+            .set(shares.iter().sum::<f64>() * (1.0 - alloc::BURST_SHARE));
+        sent
+    }
+
     /// Counts a report of `count` requests at `now`: the rate over rlsd's own clock since the
     /// last rate was taken (never Envoy's `time_elapsed`, 0 on a first report and whole seconds
     /// after), and the interval between reports.

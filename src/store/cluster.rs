@@ -99,6 +99,9 @@ pub struct ClusterStore {
 /// The connection and what every call needs.
 struct Cluster {
     client: ClusterClient,
+    /// One client per seed node, for a pub/sub connection (published messages reach every
+    /// node).
+    seeds: Vec<redis::Client>,
     /// Replaced by a fresh connection (a fresh view of the topology) after failures, since a
     /// connection can keep routing to a master that died until it is rebuilt.
     connection: Arc<ArcSwap<ClusterConnection>>,
@@ -144,8 +147,21 @@ impl ClusterStore {
                 })?
                 .map_err(|error| StoreError::Unavailable(format!("redis cluster: {error}")))?;
         tracing::info!(nodes = settings.nodes.len(), "redis cluster connected");
+        let certificates = tls_certificates(
+            settings.ca_file.as_deref(),
+            settings.client_identity.as_ref(),
+        )?;
+        let seeds = settings
+            .nodes
+            .iter()
+            .filter_map(|node| match &certificates {
+                None => redis::Client::open(node.as_str()).ok(),
+                Some(certs) => redis::Client::build_with_tls(node.as_str(), certs.clone()).ok(),
+            })
+            .collect();
         let inner = Cluster {
             client,
+            seeds,
             connection: Arc::new(ArcSwap::from_pointee(connection)),
             rebuilding: Arc::new(AtomicBool::new(false)),
             command_timeout: settings.command_timeout,
@@ -163,6 +179,11 @@ impl ClusterStore {
 }
 
 impl ClusterStore {
+    /// Clients for a pub/sub connection, one per seed node.
+    pub fn pubsub_clients(&self) -> Vec<redis::Client> {
+        self.inner.seeds.clone()
+    }
+
     /// Runs another script (the quota service's) on the master of its key within the timeout
     /// cap (`--redis-timeout-cap-ms`); redis-rs sends EVALSHA and loads the script on NOSCRIPT.
     ///

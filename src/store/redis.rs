@@ -445,6 +445,15 @@ impl RedisStore {
         self.shared.caller.load_script().await
     }
 
+    /// A client for a pub/sub connection to the same Redis (`None` behind Sentinel, whose
+    /// master moves).
+    pub fn pubsub_client(&self) -> Option<redis::Client> {
+        if self.settings.sentinel.is_some() {
+            return None;
+        }
+        client(&self.settings).ok()
+    }
+
     /// Whether Redis answers a PING within the command timeout.
     pub async fn ping(&self) -> bool {
         self.shared.caller.ping().await
