@@ -44,9 +44,14 @@ fn config() -> String {
 
 /// rlsd with [`config`] and `extra` flags, reporting every [`INTERVAL`].
 fn start(extra: &[String]) -> (Rlsd, tempfile::TempDir) {
+    start_with(&config(), extra)
+}
+
+/// rlsd with `config` as its one domain file and `extra` flags, reporting every [`INTERVAL`].
+pub(crate) fn start_with(config: &str, extra: &[String]) -> (Rlsd, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("web.yaml");
-    std::fs::write(&file, config()).expect("write");
+    std::fs::write(&file, config).expect("write");
     let mut args = vec![
         "--config".to_owned(),
         file.display().to_string(),
@@ -57,6 +62,16 @@ fn start(extra: &[String]) -> (Rlsd, tempfile::TempDir) {
     ];
     args.extend(extra.iter().cloned());
     (Rlsd::serve(args), dir)
+}
+
+/// The flags that put rlsd on `cluster`.
+fn cluster_flags(cluster: &RedisCluster) -> [String; 4] {
+    [
+        "--redis-mode".to_owned(),
+        "cluster".to_owned(),
+        "--redis-url".to_owned(),
+        cluster.urls().join(","),
+    ]
 }
 
 fn bucket_id(name: &str) -> BucketId {
@@ -882,12 +897,7 @@ async fn a_peers_change_reaches_other_streams_between_their_reports() {
     peers_change_reaches_a_stream_between_its_reports("two replicas on Redis", one.grpc, two.grpc)
         .await;
     let cluster = RedisCluster::start();
-    let flags = [
-        "--redis-mode".to_owned(),
-        "cluster".to_owned(),
-        "--redis-url".to_owned(),
-        cluster.urls().join(","),
-    ];
+    let flags = cluster_flags(&cluster);
     let (one, _c) = start(&flags);
     let (two, _d) = start(&flags);
     peers_change_reaches_a_stream_between_its_reports(
@@ -1219,12 +1229,7 @@ async fn bucket_id_report_and_stream_bounds_end_only_the_stream_over_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_envoys_share_one_limit_across_two_replicas_on_a_redis_cluster() {
     let cluster = RedisCluster::start();
-    let flags = [
-        "--redis-mode".to_owned(),
-        "cluster".to_owned(),
-        "--redis-url".to_owned(),
-        cluster.urls().join(","),
-    ];
+    let flags = cluster_flags(&cluster);
     let (one, _a) = start(&flags);
     let (two, _b) = start(&flags);
     let envoys = four_envoys_share("two replicas on a Redis Cluster", &[one.grpc, two.grpc]).await;

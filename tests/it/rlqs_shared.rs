@@ -71,17 +71,7 @@ quota_buckets:
 }
 
 fn start(extra: &[String]) -> (Rlsd, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("web.yaml");
-    std::fs::write(&file, config()).expect("write");
-    let mut args = vec![
-        "--config".to_owned(),
-        file.display().to_string(),
-        "--rlqs-report-interval-ms".to_owned(),
-        INTERVAL.as_millis().to_string(),
-    ];
-    args.extend(extra.iter().cloned());
-    (Rlsd::serve(args), dir)
+    crate::rlqs::start_with(&config(), extra)
 }
 
 async fn client(rlsd: &Rlsd) -> RateLimitServiceClient<Channel> {
