@@ -21,7 +21,7 @@ use crate::pb;
 use crate::pb::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit::Unit as WireUnit,
 };
-use crate::store::{Outcome, Store, StoreError};
+use crate::store::{Check, Outcome, Store, StoreError};
 use crate::telemetry::RequestTracer;
 
 /// Which rate limit headers rlsd adds to responses.
@@ -265,9 +265,7 @@ impl<S: Store> RateLimiter<S> {
         let store_trace = trace.zip(self.tracer.as_ref()).map(|(parent, tracer)| {
             tracer.store_span(parent, self.store.name(), plan.checks.len())
         });
-        let started = Instant::now();
-        let decided = self.store.decide_by(&plan.checks, deadline).await;
-        self.store_duration.observe(started.elapsed().as_secs_f64());
+        let decided = self.decide_on_store(&plan.checks, deadline).await;
         if let Some(store_trace) = store_trace {
             let span = store_trace.span();
             if let Err(error) = &decided {
@@ -288,6 +286,25 @@ impl<S: Store> RateLimiter<S> {
             }
             Err(error) => self.failure_answer(&plan, &error),
         }
+    }
+
+    /// The store's decision on `checks` by `deadline` (`None`: the store's own timeout), timed
+    /// in `store_duration`, a failure counted in `store_errors`: every caller of the store.
+    async fn decide_on_store(
+        &self,
+        checks: &[Check],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let started = Instant::now();
+        let decided = self.store.decide_by(checks, deadline).await;
+        self.store_duration.observe(started.elapsed().as_secs_f64());
+        if let Err(error) = &decided {
+            self.metrics
+                .store_errors
+                .with_label_values(&[error.kind()])
+                .inc();
+        }
+        decided
     }
 
     /// Counts the descriptors no configured limit can match for their shape (an entry with an
@@ -344,10 +361,6 @@ impl<S: Store> RateLimiter<S> {
         plan: &Plan<'_>,
         error: &StoreError,
     ) -> Result<pb::RateLimitResponse, Status> {
-        self.metrics
-            .store_errors
-            .with_label_values(&[error.kind()])
-            .inc();
         self.metrics
             .failure_mode_answers
             .with_label_values(&[self.settings.failure_mode.name()])
@@ -485,15 +498,7 @@ impl<S: Store> ChargeDescriptor for RateLimiter<S> {
             for check in &mut plan.checks {
                 check.hits = taken;
             }
-            let started = Instant::now();
-            let decided = self.store.decide_by(&plan.checks, None).await;
-            self.store_duration.observe(started.elapsed().as_secs_f64());
-            let outcomes = decided.inspect_err(|error| {
-                self.metrics
-                    .store_errors
-                    .with_label_values(&[error.kind()])
-                    .inc();
-            })?;
+            let outcomes = self.decide_on_store(&plan.checks, None).await?;
             if hits > 0 {
                 self.record(&request, &plan, &outcomes);
             }
